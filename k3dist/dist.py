@@ -1,0 +1,112 @@
+"""Process groups and agreement: init from torchrun's env, a gloo control group, JSON exchange, one verdict.
+
+Control traffic (plans, fingerprints, statuses) goes over gloo as JSON bytes, never pickled objects.
+"""
+
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import K3Error
+
+log = logging.getLogger("k3dist")
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+    backend: str
+    ctrl: object  # gloo group for control traffic
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) -> Runtime:
+    """Join the job torchrun (or launch.py) described in the environment; a lone process is a world of one."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise K3Error(f"dist.device={device!r} must be auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise K3Error(f"rank {rank}: dist.device=cuda but no CUDA device is visible")
+    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise K3Error(f"dist.backend={backend!r} must be auto, gloo or nccl")
+    if backend == "nccl" and dev.type != "cuda":
+        raise K3Error("dist.backend=nccl needs dist.device=cuda")
+    timeout = timedelta(seconds=float(timeout_s))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    ctrl = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    return Runtime(rank, world, local_rank, local_world, dev, backend, ctrl, float(timeout_s))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exchange(obj: dict, rt: Runtime) -> list[dict]:
+    """All-gather one JSON object per rank over the control group."""
+    if rt.world == 1:
+        return [json.loads(json.dumps(obj))]
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(rt.world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]), group=rt.ctrl)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(rt.world)]
+    dist.all_gather(out, padded, group=rt.ctrl)
+    return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes, strict=True)]
+
+
+def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
+    """Every rank reports its status for `stage`; if any failed, every rank raises the same error naming them."""
+    try:
+        statuses = exchange({"rank": rt.rank, "error": error, **facts}, rt)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise K3Error(
+            f"rank {rt.rank}: {stage}: lost contact with peer ranks within dist.timeout_s="
+            f"{rt.timeout_s:g} ({str(exc).splitlines()[0][:200]})"
+        ) from None
+    failed = [s for s in statuses if s["error"]]
+    if failed:
+        raise K3Error(f"{stage} failed on {len(failed)} of {rt.world} ranks: " + "; ".join(s["error"] for s in failed))
+    return statuses

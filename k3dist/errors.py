@@ -1,0 +1,12 @@
+"""The one error type a user sees: a single `error:` line naming file, tensor, rank and numbers."""
+
+
+class K3Error(Exception):
+    """A user error (bad checkpoint, topology, preflight refusal, bad override): printed as one `error:` line."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # always one line
+
+    @property
+    def line(self) -> str:
+        return f"error: {self}"

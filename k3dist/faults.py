@@ -1,0 +1,35 @@
+"""Fault injection for tests (`fault.*` overrides): every fault fires on one rank at one tensor of the upload."""
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from .errors import K3Error
+
+
+@dataclass(frozen=True)
+class Faults:
+    rank: int | None = None  # the rank that misbehaves (None: no fault)
+    free: int | None = None  # free bytes that rank reports to the preflight
+    alloc_fail_at: int | None = None  # the Nth tensor's allocation fails (0-based)
+    raise_at: int | None = None  # the rank raises a plain exception at the Nth tensor
+    kill_at: int | None = None  # the rank SIGKILLs itself at the Nth tensor
+    hang_at: int | None = None  # the rank stops responding at the Nth tensor
+
+    def mine(self, rank: int) -> bool:
+        return self.rank is not None and self.rank == rank
+
+    def at_tensor(self, rank: int, index: int, name: str) -> None:
+        """Called by the loader before allocating tensor `index` on `rank`."""
+        if not self.mine(rank):
+            return
+        if index == self.alloc_fail_at:
+            raise K3Error(f"rank {rank}: allocation failed for tensor {name} (injected by fault.alloc_fail_at)")
+        if index == self.raise_at:
+            raise RuntimeError(f"injected failure at tensor {name} (fault.raise_at={index})")
+        if index == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if index == self.hang_at:
+            while True:
+                time.sleep(60)

@@ -1,0 +1,1 @@
+"""The checkpoint pipeline: schema -> inventory -> TP plan -> memory preflight -> agreement -> upload."""

@@ -1,0 +1,220 @@
+"""Rank-aware loading: plan, preflight, agree, upload rank-local bytes file by file, agree again.
+
+Any failure frees every allocation made so far before the error propagates, and the second agreement makes
+every rank raise with the names of the ranks that failed, so no rank waits on a peer that is gone.
+"""
+
+import gc
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..dist import Runtime, agree
+from ..errors import K3Error
+from ..faults import Faults
+from ..units import fmt_bytes
+from .inventory import Inventory
+from .memory import MemoryPlan, detect_free, memory_plan
+from .tp_plan import TORCH_DTYPES, ShardPlan, copy_shard, plan_rank, store_shapes
+
+log = logging.getLogger("k3dist")
+
+
+@dataclass
+class WeightStore:
+    """The rank's weights on its device, by store key (experts stacked), plus the plan that put them there."""
+
+    tensors: dict[str, torch.Tensor]
+    plans: list[ShardPlan]
+    memory: MemoryPlan
+    all_memory: list[dict] = field(default_factory=list)
+    load_seconds: float = 0.0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+def preflight(
+    cfg: ModelConfig,
+    inv: Inventory,
+    rt: Runtime,
+    compute_dtype: torch.dtype,
+    cache: int,
+    reserve: int,
+    free: int | None,
+    faults: Faults,
+) -> tuple[list[ShardPlan], list[dict]]:
+    """Plan this rank, check it fits, and agree with every rank on the verdict and the checkpoint headers."""
+    plans = plan_rank(inv.plan_inputs(), rt.world, rt.rank, compute_dtype)
+    if faults.mine(rt.rank) and faults.free is not None:
+        free = faults.free
+    if free is None:
+        free = detect_free(rt.device, rt.local_world)
+    mp = memory_plan(rt.rank, plans, cache, reserve, free)
+    log.info("k3_weight_plan " + " ".join(f"{k}={v}" for k, v in mp.as_dict().items()))
+    statuses = agree(
+        "preflight",
+        None if mp.fits else mp.refusal(),
+        rt,
+        plan=mp.as_dict(),
+        fingerprint=inv.fingerprint,
+        files=list(inv.files),
+    )
+    head = statuses[0]
+    odd = [s for s in statuses if s["fingerprint"] != head["fingerprint"]]
+    if odd:
+        raise K3Error(
+            "agreement failed: "
+            + "; ".join(
+                f"rank {s['rank']} sees a different checkpoint than rank 0 (header fingerprint {s['fingerprint'][:12]} "
+                f"vs {head['fingerprint'][:12]}, files {s['files']} vs {head['files']})"
+                for s in odd
+            )
+        )
+    return plans, [s["plan"] for s in statuses]
+
+
+class _Upload:
+    """Allocations of one upload, tracked by weak references so a cleanup can prove nothing is left alive."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.refs: list[weakref.ref] = []
+        self.baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+    def place(self, plan: ShardPlan, piece: torch.Tensor, shapes: dict) -> None:
+        if plan.slot is None:
+            out = piece.to(device=self.device, dtype=plan.dtype, non_blocking=False)
+            self.tensors[plan.dest] = out
+        else:
+            out = self.tensors.get(plan.dest)
+            if out is None:
+                shape, dtype = shapes[plan.dest]
+                out = self.tensors[plan.dest] = torch.empty(shape, dtype=dtype, device=self.device)
+            out[plan.slot].copy_(piece)
+        self.refs.append(weakref.ref(out))
+
+    def free_all(self) -> tuple[int, int]:
+        """Drop everything; returns (tensors freed, live allocations left) measured after collection."""
+        freed = len(self.tensors)
+        self.tensors.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return freed, torch.cuda.memory_allocated(self.device) - self.baseline
+        return freed, sum(1 for r in self.refs if r() is not None)
+
+
+def upload(inv: Inventory, plans: list[ShardPlan], rt: Runtime, faults: Faults) -> dict[str, torch.Tensor]:
+    """Read rank-local slices file by file into device tensors; on failure free them all, then re-raise."""
+    shapes = store_shapes(plans)
+    by_file: dict[str, list[tuple[int, ShardPlan]]] = {}
+    for i, p in enumerate(plans):
+        by_file.setdefault(p.file, []).append((i, p))
+    total = sum(p.local_bytes for p in plans)
+    up = _Upload(rt.device)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"rank {rt.rank} load",
+        disable=not rt.is_main or None,
+        leave=False,
+    )
+    uploaded = 0
+    try:
+        for file, items in by_file.items():
+            path = Path(inv.model_dir) / file
+            start, nbytes = time.perf_counter(), 0
+            with safe_open(path, framework="pt") as handle:
+                for i, p in items:
+                    faults.at_tensor(rt.rank, i, p.name)
+                    piece = copy_shard(handle, p)
+                    if piece.dtype != TORCH_DTYPES[p.src_dtype] or tuple(piece.shape) != p.local_shape:
+                        raise K3Error(
+                            f"{path}: tensor {p.key} read as {piece.dtype} {list(piece.shape)}, "
+                            f"planned {p.src_dtype} {list(p.local_shape)}"
+                        )
+                    up.place(p, piece, shapes)
+                    del piece
+                    uploaded += p.local_bytes
+                    nbytes += p.local_bytes
+                    bar.update(p.local_bytes)
+            if rt.device.type == "cuda":
+                _drop_page_cache(path)
+            log.info(
+                "k3_weight_shard_loaded rank=%d file=%s tensors=%d bytes=%d seconds=%.3f",
+                rt.rank,
+                file,
+                len(items),
+                nbytes,
+                time.perf_counter() - start,
+            )
+        if uploaded != total:
+            raise K3Error(f"rank {rt.rank}: uploaded {uploaded} bytes but the plan holds local_bytes={total}")
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+    except BaseException as exc:
+        bar.close()
+        freed, live = up.free_all()
+        log.info("k3_weight_cleanup rank=%d freed=%d live=%d", rt.rank, freed, live)
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise K3Error(
+                f"rank {rt.rank}: out of device memory during upload after {fmt_bytes(uploaded)} of "
+                f"{fmt_bytes(total)}: the reserve is exhausted (raise memory.reserve)"
+            ) from None
+        raise
+    bar.close()
+    return up.tensors
+
+
+def _drop_page_cache(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+
+
+def load_weights(
+    cfg: ModelConfig,
+    inv: Inventory,
+    rt: Runtime,
+    compute_dtype: torch.dtype,
+    cache: int,
+    reserve: int,
+    free: int | None = None,
+    faults: Faults | None = None,
+) -> WeightStore:
+    """The whole pipeline after the inventory: preflight + agreement, upload, post-upload agreement."""
+    faults = faults or Faults()
+    start = time.perf_counter()
+    plans, all_memory = preflight(cfg, inv, rt, compute_dtype, cache, reserve, free, faults)
+    error, tensors = None, {}
+    try:
+        tensors = upload(inv, plans, rt, faults)
+    except K3Error as exc:
+        error = str(exc)
+    except Exception as exc:  # a bug or I/O fault on this rank: peers must still hear of it
+        error = f"rank {rt.rank}: upload failed: {type(exc).__name__}: {exc}"
+    try:
+        agree("upload", error, rt)
+    except K3Error:
+        tensors.clear()
+        raise
+    mine = next(m for m in all_memory if m["rank"] == rt.rank)
+    memory = memory_plan(rt.rank, plans, mine["cache_bytes"], mine["reserve"], mine["free"])
+    return WeightStore(tensors, plans, memory, all_memory, time.perf_counter() - start)

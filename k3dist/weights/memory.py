@@ -1,0 +1,103 @@
+"""Per-rank memory plan (the figures of DESIGN.md) and free-memory detection (CUDA, or cgroup-aware host RAM)."""
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..units import fmt_bytes
+from .tp_plan import ShardPlan
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    rank: int
+    source_bytes: int  # checkpoint bytes this rank reads
+    local_bytes: int  # weight bytes it keeps on its device
+    replicated_bytes: int  # part of local_bytes every rank holds
+    staging_peak: int  # largest single upload (host staging of one slice)
+    derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights)
+    cache_bytes: int  # KDA state + MLA latent for batch x cap
+    reserve: int  # explicit headroom
+    free: int  # memory available to this rank
+    tensors: int
+
+    @property
+    def admitted(self) -> int:
+        return self.local_bytes + self.derived_bytes + self.staging_peak + self.cache_bytes + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.admitted <= self.free
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"admitted": self.admitted, "fits": self.fits}
+
+    def refusal(self) -> str:
+        return (
+            f"rank {self.rank} needs admitted {fmt_bytes(self.admitted)} > free {fmt_bytes(self.free)} "
+            f"(local {fmt_bytes(self.local_bytes)} + derived {fmt_bytes(self.derived_bytes)} + staging "
+            f"{fmt_bytes(self.staging_peak)} + cache {fmt_bytes(self.cache_bytes)} + reserve "
+            f"{fmt_bytes(self.reserve)}; short by {fmt_bytes(self.admitted - self.free)})"
+        )
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, cap: int, world: int, dtype: torch.dtype) -> int:
+    """Device bytes of the resident hybrid cache on one rank (DESIGN.md: Resident hybrid cache)."""
+    kda_conv = batch * 3 * (cfg.kda_dim // world) * (cfg.conv_kernel - 1) * dtype.itemsize
+    kda_state = batch * (cfg.kda_heads // world) * cfg.kda_head_dim**2 * 4
+    mla = batch * cap * (cfg.kv_lora_rank + cfg.qk_rope_dim) * dtype.itemsize
+    return cfg.count(mixer="kda") * (kda_conv + kda_state) + cfg.count(mixer="mla") * mla
+
+
+def memory_plan(rank: int, plans: list[ShardPlan], cache: int, reserve: int, free: int, derived: int = 0) -> MemoryPlan:
+    return MemoryPlan(
+        rank=rank,
+        source_bytes=sum(p.source_bytes for p in plans),
+        local_bytes=sum(p.local_bytes for p in plans),
+        replicated_bytes=sum(p.local_bytes for p in plans if p.axis.dim is None),
+        staging_peak=max((p.source_bytes for p in plans), default=0),
+        derived_bytes=derived,
+        cache_bytes=cache,
+        reserve=reserve,
+        free=free,
+        tensors=len(plans),
+    )
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def host_available() -> int:
+    """MemAvailable, capped by the cgroup (v2 or v1) limit minus its usage."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 2**60:
+            avail = min(avail, max(limit - usage, 0))
+    return avail
+
+
+def detect_free(device: torch.device, local_world: int = 1) -> int:
+    """Free bytes for this rank: CUDA free memory, or host memory shared by the ranks on this machine."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_available() // max(local_world, 1)

@@ -1,0 +1,97 @@
+"""Seeded random checkpoints in the original Hugging Face layout, for any Kimi-Linear config.
+
+Initialised the way the real model is (normal(0, 0.02) projections, unit norms, fla's A_log and dt_bias) so that
+decoding stays numerically sane. Written once per (config, seed, dtype) into a cache dir, atomically, under a file
+lock, so concurrent ranks never see a partial checkpoint.
+"""
+
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import parse_config
+from .inventory import INDEX
+from .schema import expected_tensors
+
+log = logging.getLogger("k3dist")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("K3DIST_CACHE") or Path.home() / ".cache" / "k3dist")
+
+
+def init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float = 0.02) -> torch.Tensor:
+    """One tensor, fp32, drawn like the real model's initialisation."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+    if name.endswith("dt_bias"):
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp().clamp_min(1e-4)
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if name.endswith("conv1d.weight"):
+        bound = 1 / math.sqrt(shape[-1])  # nn.Conv1d default, fan_in = kernel size (depthwise)
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    if name.endswith("e_score_correction_bias"):
+        return torch.empty(shape).uniform_(-0.05, 0.05, generator=gen)  # trained checkpoints carry a bias
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def write_checkpoint(
+    raw_config: dict, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 200 * 2**20
+) -> Path:
+    """Write config.json, `model-0000i-of-0000n.safetensors` shards and the index into `out_dir`."""
+    cfg = parse_config(raw_config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    shards: list[list[str]] = [[]]
+    size = 0
+    schema = expected_tensors(cfg)
+    for name, shape in schema.items():
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: init_tensor(n, schema[n], gen).to(torch_dtype) for n in names}
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(names, file)
+        del tensors
+    total = sum(math.prod(s) * torch_dtype.itemsize for s in schema.values())
+    (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(raw_config | {"dtype": dtype}, indent=2))
+    return out_dir
+
+
+def ensure_twin(config_path: str | Path, seed: int = 0, dtype: str = "bfloat16", root: Path | None = None) -> Path:
+    """The cached twin checkpoint for this config, written once (atomic rename, file lock against races)."""
+    raw = json.loads(Path(config_path).read_text())
+    key = hashlib.sha256(json.dumps([raw, seed, dtype], sort_keys=True).encode()).hexdigest()[:12]
+    root = root or cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{Path(config_path).stem}-seed{seed}-{dtype}-{key}"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / INDEX).exists():
+            tmp = root / f".tmp-{final.name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("k3_twin_write dir=%s", final)
+            write_checkpoint(raw, tmp, seed, dtype)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+    return final

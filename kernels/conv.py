@@ -1,0 +1,34 @@
+"""Short causal depthwise conv + SiLU applied to KDA's q, k, v projections.
+
+The conv state holds the previous K-1 PRE-conv inputs, oldest first (vLLM layout), so a prefill followed by
+single-token steps reproduces one prefill over the whole sequence. Both functions use `F.conv1d(groups=C)` on
+`x.to(weight.dtype)` exactly like transformers' `causal_conv1d_fn` / `causal_conv1d_update`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_conv_prefill(x: Tensor, weight: Tensor, state: Tensor) -> Tensor:
+    """Conv + SiLU over a chunk of tokens that continues the history in `state`.
+
+    x: [B, T, C]; weight: [C, K] (weight[:, K-1] multiplies the current token); state: [B, C, K-1], zeros for a
+    fresh sequence, overwritten in place with the last K-1 inputs (older history kept when T < K-1).
+    Returns [B, T, C] in x's dtype.
+    """
+    window = torch.cat([state, x.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    state.copy_(window[:, :, -state.shape[-1] :])
+    y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
+    return F.silu(y).to(x.dtype).transpose(1, 2).contiguous()
+
+
+def causal_conv_step(x: Tensor, weight: Tensor, state: Tensor) -> Tensor:
+    """Conv + SiLU for one token per sequence. x: [B, C]; weight: [C, K]; state: [B, C, K-1] updated in place.
+
+    Returns [B, C] in x's dtype.
+    """
+    window = torch.cat([state, x.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    state.copy_(window[:, :, 1:])
+    y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])  # [B, C, 1]
+    return F.silu(y.squeeze(-1)).to(x.dtype)
