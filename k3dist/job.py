@@ -79,6 +79,8 @@ def run_rank(job: dict) -> dict | None:
     s = parse(job)
     rt = dist.init(s.backend, s.device, s.timeout_s)
     setup_logging(rt.rank)
+    if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
     try:
         result = plan_only(s, rt) if s.mode == "plan" else load_and_generate(s, rt)
         if rt.is_main:
