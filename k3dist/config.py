@@ -100,17 +100,16 @@ def _layer_mixers(raw: dict, n: int, source: str) -> list[str]:
     lac = raw.get("linear_attn_config")
     if isinstance(lac, dict) and "kda_layers" in lac and "full_attn_layers" in lac:
         kda, full = lac["kda_layers"], lac["full_attn_layers"]
-        if not all(isinstance(x, list) for x in (kda, full)):
+        if not all(isinstance(x, list) and all(type(i) is int for i in x) for x in (kda, full)):
             raise K3Error(f"{source}: linear_attn_config.kda_layers/full_attn_layers must be lists of 1-based layers")
-        ones = sorted(kda + full)
-        if ones != list(range(1, n + 1)):
+        if len(kda) + len(full) != n or sorted(kda + full) != list(range(1, n + 1)):  # length first: n may be huge
             raise K3Error(
                 f"{source}: linear_attn_config kda_layers {kda} + full_attn_layers {full} must list each of the "
                 f"{n} layers 1..{n} exactly once (1-based)"
             )
         return ["kda" if (i + 1) in kda else "mla" for i in range(n)]
     types = raw.get("layer_types")
-    if isinstance(types, list) and len(types) == n and set(types) <= {"linear_attention", "full_attention"}:
+    if isinstance(types, list) and len(types) == n and all(t in ("linear_attention", "full_attention") for t in types):
         return ["kda" if t == "linear_attention" else "mla" for t in types]
     raise K3Error(f"{source}: needs linear_attn_config.kda_layers/full_attn_layers (or layer_types of length {n})")
 
@@ -118,7 +117,7 @@ def _layer_mixers(raw: dict, n: int, source: str) -> list[str]:
 def _layer_mlps(raw: dict, n: int, num_experts: int, source: str) -> list[str]:
     types = raw.get("mlp_layer_types")
     if isinstance(types, list) and "first_k_dense_replace" not in raw:
-        if len(types) != n or not set(types) <= {"dense", "sparse"}:
+        if len(types) != n or not all(t in ("dense", "sparse") for t in types):
             raise K3Error(f"{source}: mlp_layer_types must list 'dense'/'sparse' for each of the {n} layers")
         return ["moe" if t == "sparse" else "dense" for t in types]
     first_dense = _get(raw, source, "first_k_dense_replace", default=0)
@@ -133,7 +132,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise K3Error(f"{source}: must hold a JSON object")
     mt = raw.get("model_type")
-    if mt not in MODEL_TYPES:
+    if not isinstance(mt, str) or mt not in MODEL_TYPES:
         raise K3Error(f"{source}: model_type={mt!r} is not one of {sorted(MODEL_TYPES)}")
     if raw.get("q_lora_rank") is not None:
         raise K3Error(f"{source}: q_lora_rank={raw['q_lora_rank']} is not supported (Kimi-Linear uses null)")
@@ -153,7 +152,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     mixers = _layer_mixers(raw, n, source)
     mlps = _layer_mlps(raw, n, num_experts, source)
     dtype = raw.get("dtype", raw.get("torch_dtype", "bfloat16"))
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise K3Error(f"{source}: dtype={dtype!r} is not one of {sorted(set(DTYPES))}")
     lac_src = f"{source}: linear_attn_config"
     cfg = ModelConfig(
@@ -246,7 +245,7 @@ def load_config(path: str | Path) -> ModelConfig:
         raise K3Error(f"{path}: config.json not found")
     try:
         raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError, OSError) as exc:  # JSON, UTF-8, nesting depth, unreadable
         raise K3Error(f"{path}: not valid JSON ({exc})") from None
     return parse_config(raw, str(path))
 

@@ -37,10 +37,11 @@ class KDA:
             )
         g = kda_gate(F.linear(F.linear(x, self.f_a), self.f_b).view(heads), self.A_log, self.dt_bias)
         beta = F.linear(x, self.b_proj).float().sigmoid()
+        q = q.float()  # the kernel works in fp32 anyway; an fp32 q keeps its output unrounded for the norm
         if T == 1:
             o = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state).unsqueeze(1)
         else:
             o = kda_prefill(q, k, v, g, beta, state)
         gate = F.linear(F.linear(x, self.g_a), self.g_b).view(heads)
-        o = gated_rmsnorm(o, gate, self.o_norm, self.eps).reshape(B, T, -1)
-        return self.comm.all_reduce(F.linear(o, self.o_proj))
+        o = gated_rmsnorm(o, gate, self.o_norm, self.eps).to(x.dtype).reshape(B, T, -1)
+        return self.comm.all_reduce(F.linear(o, self.o_proj).float())

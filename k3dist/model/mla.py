@@ -45,4 +45,4 @@ class MLA:
             k_pe = rows[..., None, self.r :].expand(B, start + T, self.heads, self.dr)
             k = torch.cat([kv[..., : self.dn], k_pe], dim=-1)
             o = mla_prefill(q, k, kv[..., self.dn :], self.scale, past=start).reshape(B, T, -1)
-        return self.comm.all_reduce(F.linear(o, self.o_proj))
+        return self.comm.all_reduce(F.linear(o, self.o_proj).float())

@@ -39,17 +39,17 @@ class MoE:
         return ids, weights * self.scale
 
     def __call__(self, x: Tensor) -> Tensor:
+        """x: [..., D] normed, any float dtype: the router reads it as fp32, the experts in the weights' dtype."""
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        ids, weights = self.route(x)
+        ids, weights = self.route(x.reshape(-1, shape[-1]))
+        x = x.reshape(-1, shape[-1]).to(self.w1.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             y = swiglu(x[token], self.w1[e], self.w3[e], self.w2[e])
             out.index_add_(0, token, y * weights[token, slot, None])
-        out = out.to(x.dtype)
         if self.shared is not None:
-            out = out + swiglu(x, *self.shared)
+            out += swiglu(x, *self.shared)
         return self.comm.all_reduce(out).view(shape)
 
 
@@ -59,4 +59,4 @@ class DenseMLP:
         self.comm = comm
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(swiglu(x, *self.weights))
+        return self.comm.all_reduce(swiglu(x.to(self.weights[0].dtype), *self.weights).float())

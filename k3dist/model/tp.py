@@ -13,7 +13,7 @@ class TPComm:
         self.vocab_shard = shard_range(vocab_size, world, 0)[1]  # ceil(V / world): every rank's padded width
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum partial results over ranks (after every row-parallel projection), in place."""
+        """Sum partial results over ranks (after every row-parallel projection), in place; callers pass fp32."""
         if self.world > 1:
             dist.all_reduce(x)
         return x

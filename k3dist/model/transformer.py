@@ -54,16 +54,20 @@ class K3Model:
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: DeviceHybridCache, all_logits: bool = False) -> Tensor:
-        """tokens: [B, T] continuing what `cache` holds. Returns logits [B, V] (last token) or [B, T, V]."""
+        """tokens: [B, T] continuing what `cache` holds. Returns logits [B, V] (last token) or [B, T, V].
+
+        The residual stream stays in fp32 whatever the compute dtype: each norm reads it unrounded and only the
+        mixer and MLP inputs are cast, so low-precision runs drift less from fp32 (and pick the same experts).
+        """
         start = cache.reserve(tokens.shape[1])
-        eps = self.cfg.rms_norm_eps
-        h = self.embed_tokens(tokens)
+        eps, dtype = self.cfg.rms_norm_eps, self.embed.dtype
+        h = self.embed_tokens(tokens).float()
         for spec, mixer, mlp, (norm_in, norm_post) in self.layers:
-            x = rmsnorm(h, norm_in, eps)
+            x = rmsnorm(h, norm_in, eps).to(dtype)
             if spec.mixer == "kda":
                 h = h + mixer(x, cache.conv[spec.index], cache.state[spec.index])
             else:
                 h = h + mixer(x, cache.latent[spec.index], start)
             h = h + mlp(rmsnorm(h, norm_post, eps))
-        h = rmsnorm(h if all_logits else h[:, -1], self.norm, eps)
+        h = rmsnorm(h if all_logits else h[:, -1], self.norm, eps).to(dtype)
         return self.comm.gather_logits(F.linear(h, self.head))

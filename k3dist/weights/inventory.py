@@ -6,6 +6,7 @@ the config's schema, keeps every path inside the model dir, and fingerprints the
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,11 @@ from .schema import canonical_name, expected_tensors
 from .tp_plan import DTYPE_BYTES
 
 INDEX = "model.safetensors.index.json"
+MAX_HEADER = 100_000_000  # safetensors' own limit on the header length
+# Bits per element of every safetensors dtype, to explain a header that safetensors refused.
+ELEMENT_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8}
+ELEMENT_BITS |= {"F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32}
+ELEMENT_BITS |= {"I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,15 @@ def inside(model_dir: Path, name: str, what: str) -> Path:
     if os.path.isabs(name) or ".." in Path(name).parts or not name:
         raise K3Error(f"{model_dir / INDEX}: {what} names {name!r}, which is outside the model dir")
     path = model_dir / name
-    real = path.resolve()
-    if not real.is_relative_to(model_dir.resolve()):
+    try:
+        real = path.resolve()
+        outside, exists = not real.is_relative_to(model_dir.resolve()), real.is_file()
+    except (OSError, ValueError, RuntimeError) as exc:  # NUL byte, name too long, symlink loop (3.11)
+        why = getattr(exc, "strerror", None) or exc
+        raise K3Error(f"{model_dir}: {what} names {name[:200]!r}, which cannot be resolved ({why})") from None
+    if outside:
         raise K3Error(f"{path}: {what} resolves to {real}, outside the model dir {model_dir}")
-    if not real.is_file():
+    if not exists:
         raise K3Error(f"{path}: {what} names a file that does not exist")
     return path
 
@@ -64,7 +75,7 @@ def _index_map(model_dir: Path) -> dict[str, str] | None:
     inside(model_dir, INDEX, "the index")
     try:
         raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError, OSError) as exc:  # JSON, UTF-8, nesting depth, unreadable
         raise K3Error(f"{path}: not valid JSON ({exc})") from None
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -78,6 +89,58 @@ def _header_digest(path: Path, digest) -> None:
         head = f.read(8)
         digest.update(head)
         digest.update(f.read(int.from_bytes(head, "little")))
+
+
+def _header_problem(path: Path, size: int) -> str | None:
+    """What is wrong with a header safetensors refused, naming the tensor and the numbers (json only, no pickle)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        if len(head) < 8 or n > size - 8 or n > MAX_HEADER:
+            return f"header length {n if len(head) == 8 else '?'} does not fit the file of {size} bytes"
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return f"the {n}-byte header is not JSON ({exc})"
+    if not isinstance(header, dict):
+        return f"the header is a JSON {type(header).__name__}, not an object"
+    data, spans = size - 8 - n, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, offsets = (
+            info.get(k) if isinstance(info, dict) else None for k in ("dtype", "shape", "data_offsets")
+        )
+        if not isinstance(dtype, str) or dtype not in ELEMENT_BITS:
+            return f"tensor {name} has unknown dtype {dtype!r}"
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            return f"tensor {name} has invalid shape {shape!r}"
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+            return f"tensor {name} has invalid data_offsets {offsets!r}"
+        begin, end = offsets
+        if begin > end or end > data:
+            return f"tensor {name} data_offsets [{begin}, {end}] fall outside the {data} data bytes of the file"
+        bits = math.prod(shape) * ELEMENT_BITS[dtype]
+        if bits != 8 * (end - begin):
+            need = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits"
+            return (
+                f"tensor {name} is {dtype} {shape} ({need}) but data_offsets [{begin}, {end}] hold {end - begin} bytes"
+            )
+        spans.append((begin, end, name))
+    covered, last = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            how = (
+                f"overlap tensor {last} (which ends at {covered})"
+                if begin < covered
+                else f"leave a gap after byte {covered}"
+            )
+            return f"tensor {name} data_offsets [{begin}, {end}] {how}"
+        covered, last = end, name
+    if covered != data:
+        return f"the tensors cover {covered} of the {data} data bytes"
+    return None
 
 
 def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
@@ -108,7 +171,7 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
                         raise K3Error(f"{path}: tensor {key} is duplicated (also in {found[entry.name].file})")
                     found[entry.name] = entry
         except SafetensorError as exc:
-            raise K3Error(f"{path}: not a valid safetensors file ({exc})") from None
+            raise K3Error(f"{path}: not a valid safetensors file: {_header_problem(path, size) or exc}") from None
         except OSError as exc:
             raise K3Error(f"{path}: cannot read ({exc})") from None
         _header_digest(path, digest)

@@ -132,9 +132,14 @@ def store_shapes(plans: list[ShardPlan]) -> dict[str, tuple[tuple[int, ...], tor
 
 
 def copy_shard(handle, plan: ShardPlan) -> torch.Tensor:
-    """Read only this rank's bytes of one tensor from an open `safe_open` handle (lazy slice, no full read)."""
+    """Read only this rank's bytes of one tensor from an open `safe_open` handle (lazy slice, no full read).
+
+    safetensors >= 0.8 returns views into the file's mmap (storage = the whole tensor, row shards strided); the
+    clone reads only the rank-local pages into a contiguous tensor that owns exactly `local_bytes` of source data
+    and no longer aliases the checkpoint file.
+    """
     piece = handle.get_slice(plan.key)
     if plan.axis.dim is None:
-        return piece[:]
+        return piece[:].clone(memory_format=torch.contiguous_format)
     index = (slice(None),) * plan.axis.dim + (slice(plan.start, plan.stop),)
-    return piece[index]
+    return piece[index].clone(memory_format=torch.contiguous_format)

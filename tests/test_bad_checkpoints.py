@@ -1,0 +1,597 @@
+"""Bad checkpoints and configs are refused with one K3Error line naming the file, the tensor and the numbers.
+
+Header-level corruptions are crafted by hand (8-byte little-endian length + JSON header + data) from a real small
+checkpoint; schema-level ones are real safetensors files; one case runs the real CLI on two ranks.
+"""
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from k3dist.config import load_config, validate_topology
+from k3dist.errors import K3Error
+from k3dist.weights.inventory import INDEX, scan
+from k3dist.weights.twin import write_checkpoint
+
+from .configs import small_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARD = "model-00002-of-00004.safetensors"  # the file most cases corrupt (a middle one)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    """A small valid checkpoint in 4 files + index (written once per module, copied per case)."""
+    d = write_checkpoint(small_config(), tmp_path_factory.mktemp("good") / "model", seed=7, shard_bytes=200_000)
+    assert sorted(p.name for p in d.glob("*.safetensors"))[1] == SHARD
+    scan(d, load_config(d))  # valid to begin with
+    return d
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory, good) -> Path:
+    """A valid safetensors file outside any model dir (a copy of a real shard), for escapes to aim at."""
+    path = tmp_path_factory.mktemp("outside") / "outside.safetensors"
+    shutil.copy(good / SHARD, path)
+    return path
+
+
+def read_raw(path: Path) -> tuple[dict, bytes]:
+    blob = path.read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
+
+
+def write_raw(path: Path, header: dict | bytes, data: bytes, length: int | None = None) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+
+
+def tensors_by_offset(header: dict) -> list[tuple[str, list[int]]]:
+    return sorted(((k, v["data_offsets"]) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1])
+
+
+def load_all(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(path, framework="pt") as h:
+        return {k: h.get_tensor(k).clone() for k in h.keys()}
+
+
+def edit_index(d: Path, fn) -> None:
+    index = json.loads((d / INDEX).read_text())
+    fn(index["weight_map"])
+    (d / INDEX).write_text(json.dumps(index))
+
+
+def edit_config(d: Path, fn) -> None:
+    raw = json.loads((d / "config.json").read_text())
+    fn(raw)
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+@contextmanager
+def deadline(seconds: float):
+    """Fail (TimeoutError) instead of hanging."""
+
+    def boom(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class OpenWatch:
+    """inotify IN_OPEN on a directory: sees every open of its files, from Python or from safetensors' Rust."""
+
+    IN_OPEN, IN_NONBLOCK = 0x20, os.O_NONBLOCK
+
+    def __init__(self, directory: Path):
+        self.fd = -1
+        if not sys.platform.startswith("linux"):
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(self.IN_NONBLOCK)
+        if self.fd >= 0 and libc.inotify_add_watch(self.fd, str(directory).encode(), self.IN_OPEN) < 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def opened(self) -> bool:
+        """Any open since the last call."""
+        seen = False
+        while self.fd >= 0:
+            try:
+                seen |= bool(os.read(self.fd, 65536))
+            except BlockingIOError:
+                break
+        return seen
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------------------------- the cases
+
+
+@dataclass
+class Case:
+    id: str
+    mutate: object  # (model_dir, outside file) -> fragments the message must hold (besides the model dir)
+    check: str = "scan"  # scan | config | topology
+
+
+def _truncate(d, _):
+    path = d / SHARD
+    header, data = read_raw(path)
+    name, (begin, end) = tensors_by_offset(header)[-1]
+    path.write_bytes(path.read_bytes()[:-100])
+    return [str(path), f"tensor {name}", f"[{begin}, {end}]", f"{len(data) - 100} data bytes"]
+
+
+def _header_too_long(d, _):
+    path = d / SHARD
+    blob = bytearray(path.read_bytes())
+    size = len(blob)
+    blob[:8] = struct.pack("<Q", size + 1000)
+    path.write_bytes(bytes(blob))
+    return [str(path), f"header length {size + 1000} does not fit the file of {size} bytes"]
+
+
+def _header_not_json(d, _):
+    path = d / SHARD
+    _, data = read_raw(path)
+    write_raw(path, b'{"model.layers.1.self_attn.q_proj.weight": {"dtype": "BF16", ', data)
+    return [str(path), "header is not JSON"]
+
+
+def _header_not_object(d, _):
+    path = d / SHARD
+    _, data = read_raw(path)
+    write_raw(path, b"[1, 2, 3]", data)
+    return [str(path), "JSON list, not an object"]
+
+
+def _offsets_out_of_bounds(d, _):
+    path = d / SHARD
+    header, data = read_raw(path)
+    name, (begin, end) = tensors_by_offset(header)[-1]
+    header[name]["data_offsets"] = [begin + 64, end + 64]
+    write_raw(path, header, data)
+    return [str(path), f"tensor {name}", f"[{begin + 64}, {end + 64}]", f"{len(data)} data bytes"]
+
+
+def _offsets_overlap(d, _):
+    path = d / SHARD
+    header, data = read_raw(path)
+    (a, (_, a_end)), (b, (b_begin, b_end)) = tensors_by_offset(header)[:2]
+    header[b]["data_offsets"] = [b_begin - 2, b_end - 2]
+    write_raw(path, header, data)
+    return [str(path), f"tensor {b}", f"[{b_begin - 2}, {b_end - 2}]", f"overlap tensor {a}", f"ends at {a_end}"]
+
+
+def _offsets_gap(d, _):
+    path = d / SHARD
+    header, data = read_raw(path)
+    (a, (_, a_end)), (b, (b_begin, b_end)) = tensors_by_offset(header)[:2]
+    del header[a]  # its bytes stay: a hole at the start of the data
+    write_raw(path, header, data)
+    return [str(path), f"tensor {b} data_offsets [{b_begin}, {b_end}] leave a gap after byte 0"]
+
+
+def _offsets_do_not_cover(d, _):
+    path = d / SHARD
+    header, data = read_raw(path)
+    write_raw(path, header, data + bytes(64))
+    return [str(path), f"cover {len(data)} of the {len(data) + 64} data bytes"]
+
+
+def _unknown_dtype(dtype):
+    def mutate(d, _):
+        path = d / SHARD
+        header, data = read_raw(path)
+        name = tensors_by_offset(header)[0][0]
+        header[name]["dtype"] = dtype
+        write_raw(path, header, data)
+        return [str(path), f"tensor {name} has unknown dtype '{dtype}'"]
+
+    return mutate
+
+
+def _shape_vs_offsets(d, _):
+    path = d / SHARD
+    header, data = read_raw(path)
+    name, (begin, end) = tensors_by_offset(header)[0]
+    shape = header[name]["shape"]
+    header[name]["shape"] = [shape[0] + 1, *shape[1:]]
+    write_raw(path, header, data)
+    return [str(path), f"tensor {name}", f"[{begin}, {end}]", f"hold {end - begin} bytes"]
+
+
+def _rewrite(d, fn):
+    """Rewrite SHARD as a real safetensors file after fn(tensors) edits its dict; returns the edited key."""
+    path = d / SHARD
+    tensors = load_all(path)
+    key = fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path, key
+
+
+def _unsupported_dtype(dtype, name):
+    def mutate(d, _):
+        def edit(t):
+            key = next(k for k in t if t[k].dim() == 2)
+            t[key] = t[key].to(dtype)
+            return key
+
+        path, key = _rewrite(d, edit)
+        return [str(path), f"tensor {key} has dtype {name}", "supported:"]
+
+    return mutate
+
+
+def _shape_mismatch(d, _):
+    shape = []
+
+    def edit(t):
+        key = next(k for k in t if t[k].dim() == 2)
+        shape.extend(t[key].shape)
+        t[key] = t[key][:-1].clone()
+        return key
+
+    path, key = _rewrite(d, edit)
+    return [str(path), f"tensor {key} has shape [{shape[0] - 1}, {shape[1]}], the config needs {shape}"]
+
+
+def _tensor_missing(d, _):
+    gone = []
+
+    def edit(t):
+        key = next(k for k in t if k.endswith("o_proj.weight"))
+        gone.append((key, list(t.pop(key).shape)))
+        return key
+
+    path, key = _rewrite(d, edit)
+    edit_index(d, lambda wm: wm.pop(key))
+    return [f"tensor {key} is missing", f"expected shape {gone[0][1]}"]
+
+
+def _tensor_missing_but_indexed(d, _):
+    def edit(t):
+        key = next(k for k in t if k.endswith("o_proj.weight"))
+        del t[key]
+        return key
+
+    path, key = _rewrite(d, edit)
+    return [str(path), f"tensor {key} is missing"]
+
+
+def _tensor_duplicated(d, _):
+    first = d / "model-00001-of-00004.safetensors"
+    extra = next(iter(load_all(first).items()))
+    path, _ = _rewrite(d, lambda t: t.update([extra]))
+    return [str(path), f"tensor {extra[0]} is duplicated", "model-00001-of-00004.safetensors"]
+
+
+def _tensor_unexpected(d, _):
+    path, _ = _rewrite(d, lambda t: t.update({"model.layers.1.self_attn.extra_proj.weight": torch.zeros(4, 4)}))
+    return [str(path), "tensor model.layers.1.self_attn.extra_proj.weight is unexpected"]
+
+
+def _index_missing_file(d, _):
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": "model-00009-of-00004.safetensors"}))
+    return [str(d / "model-00009-of-00004.safetensors"), "does not exist"]
+
+
+def _index_absolute(d, outside):
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": str(outside)}))
+    return [str(d / INDEX), repr(str(outside)), "outside the model dir"]
+
+
+def _index_dotdot(d, outside):
+    rel = os.path.relpath(outside, d)
+    assert rel.startswith("..")
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": rel}))
+    return [str(d / INDEX), repr(rel), "outside the model dir"]
+
+
+def _index_symlink_out(d, outside):
+    (d / "linked.safetensors").symlink_to(outside)
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": "linked.safetensors"}))
+    return [str(d / "linked.safetensors"), f"resolves to {outside.resolve()}", "outside the model dir"]
+
+
+def _glob_symlink_out(d, outside):
+    (d / INDEX).unlink()
+    (d / "linked.safetensors").symlink_to(outside)
+    return [str(d / "linked.safetensors"), f"resolves to {outside.resolve()}", "outside the model dir"]
+
+
+def _index_symlink_loop(d, _):
+    (d / "loop.safetensors").symlink_to(d / "loop.safetensors")
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": "loop.safetensors"}))
+    return ["'loop.safetensors'", "cannot be resolved"]
+
+
+def _index_nul_byte(d, _):
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": "model\x00.safetensors"}))
+    return ["'model\\x00.safetensors'", "cannot be resolved"]
+
+
+def _index_name_too_long(d, _):
+    edit_index(d, lambda wm: wm.update({"lm_head.weight": "a" * 5000 + ".safetensors"}))
+    return ["cannot be resolved", "File name too long"]
+
+
+def _index_not_json(d, _):
+    (d / INDEX).write_text('{"weight_map": {"lm_head.weight": "model-00004-of-00004.safetensors",')
+    return [str(d / INDEX), "not valid JSON"]
+
+
+def _index_weight_map_not_object(d, _):
+    (d / INDEX).write_text(json.dumps({"weight_map": ["model-00001-of-00004.safetensors"]}))
+    return [str(d / INDEX), "needs a weight_map object"]
+
+
+def _config_missing_field(d, _):
+    edit_config(d, lambda raw: raw.pop("hidden_size"))
+    return [str(d / "config.json"), "required field hidden_size is missing"]
+
+
+def _config_bad_type(d, _):
+    edit_config(d, lambda raw: raw.update(hidden_size="64"))
+    return [str(d / "config.json"), "field hidden_size='64' must be int"]
+
+
+def _config_bad_float(d, _):
+    edit_config(d, lambda raw: raw.update(rms_norm_eps="1e-5"))
+    return [str(d / "config.json"), "field rms_norm_eps='1e-5' must be float"]
+
+
+def _config_model_type(value):
+    def mutate(d, _):
+        edit_config(d, lambda raw: raw.update(model_type=value))
+        return [str(d / "config.json"), f"model_type={value!r} is not one of"]
+
+    return mutate
+
+
+def _config_layers_not_ints(d, _):
+    edit_config(d, lambda raw: raw["linear_attn_config"].update(kda_layers=[1, "2", 3]))
+    return [str(d / "config.json"), "kda_layers/full_attn_layers must be lists"]
+
+
+def _config_not_json(d, _):
+    (d / "config.json").write_text('{"model_type": "kimi_linear",')
+    return [str(d / "config.json"), "not valid JSON"]
+
+
+def _config_heads_vs_world(d, _):
+    edit_config(d, lambda raw: raw["linear_attn_config"].update(num_heads=6))
+    return [str(d / "config.json"), "world size 4 does not divide", "num_heads)=6", "world sizes that fit: [1, 2]"]
+
+
+CASES = [
+    Case("truncated-file", _truncate),
+    Case("header-length-beyond-file", _header_too_long),
+    Case("header-not-json", _header_not_json),
+    Case("header-not-object", _header_not_object),
+    Case("offsets-out-of-bounds", _offsets_out_of_bounds),
+    Case("offsets-overlap", _offsets_overlap),
+    Case("offsets-gap", _offsets_gap),
+    Case("offsets-do-not-cover-data", _offsets_do_not_cover),
+    Case("unknown-dtype-F8_XYZ", _unknown_dtype("F8_XYZ")),
+    Case("unknown-dtype-I4", _unknown_dtype("I4")),
+    Case("shape-vs-offsets", _shape_vs_offsets),
+    Case("unsupported-dtype-I64", _unsupported_dtype(torch.int64, "I64")),
+    Case("unsupported-dtype-F8_E4M3", _unsupported_dtype(torch.float8_e4m3fn, "F8_E4M3")),
+    Case("shape-mismatch-vs-config", _shape_mismatch),
+    Case("tensor-missing", _tensor_missing),
+    Case("tensor-missing-but-indexed", _tensor_missing_but_indexed),
+    Case("tensor-duplicated-across-files", _tensor_duplicated),
+    Case("tensor-unexpected", _tensor_unexpected),
+    Case("index-names-missing-file", _index_missing_file),
+    Case("index-absolute-path", _index_absolute),
+    Case("index-dotdot", _index_dotdot),
+    Case("index-symlink-leaves-dir", _index_symlink_out),
+    Case("glob-symlink-leaves-dir", _glob_symlink_out),
+    Case("index-symlink-loop", _index_symlink_loop),
+    Case("index-nul-byte", _index_nul_byte),
+    Case("index-name-too-long", _index_name_too_long),
+    Case("index-not-json", _index_not_json),
+    Case("index-weight-map-not-object", _index_weight_map_not_object),
+    Case("config-missing-field", _config_missing_field, "config"),
+    Case("config-field-type", _config_bad_type, "config"),
+    Case("config-float-field-type", _config_bad_float, "config"),
+    Case("config-model-type", _config_model_type("llama"), "config"),
+    Case("config-model-type-list", _config_model_type(["kimi_linear"]), "config"),
+    Case("config-layers-not-ints", _config_layers_not_ints, "config"),
+    Case("config-not-json", _config_not_json, "config"),
+    Case("config-heads-vs-world", _config_heads_vs_world, "topology"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_with_one_line(case, good, outside, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(good, d, symlinks=True)
+    fragments = case.mutate(d, outside)
+    watch = OpenWatch(outside.parent)
+    with deadline(30), pytest.raises(K3Error) as err:
+        if case.check == "config":
+            load_config(d)
+        elif case.check == "topology":
+            validate_topology(load_config(d), 4)
+        else:
+            scan(d, load_config(d))
+    opened = watch.opened()
+    watch.close()
+    msg = str(err.value)
+    assert "\n" not in msg and err.value.line == f"error: {msg}"
+    assert str(d) in msg, msg  # names the file (or the model dir and the offending name)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+    assert not opened, f"a file outside the model dir was opened: {msg}"
+
+
+def test_cli_two_ranks_refuse_a_truncated_file(good, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(good, d)
+    bad = d / SHARD
+    bad.write_bytes(bad.read_bytes()[:-100])
+    cmd = [sys.executable, "launch.py", f"model.path={d}", "dist.nproc=2", "run.mode=load", f"out={tmp_path}/r.json"]
+    cmd.append(f"hydra.run.dir={tmp_path}/hydra")  # keep the repo's outputs/ clean
+    env = os.environ | {"K3DIST_CACHE": str(tmp_path / "cache")}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert lines, proc.stderr[-3000:]
+    assert any(str(bad) in line and "data bytes" in line for line in lines), lines
+    assert not (tmp_path / "r.json").exists()
+    assert elapsed < 90, f"took {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------- fuzz
+
+
+def _scan_or_refuse(d: Path, watch: OpenWatch) -> None:
+    """scan() either succeeds (every file inside d) or raises K3Error; never anything else, never a hang."""
+    cfg = load_config(d)
+    try:
+        with deadline(20):
+            inv = scan(d, cfg)
+    except K3Error as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert all((d / f).resolve().is_relative_to(d.resolve()) for f in inv.files)
+    assert not watch.opened(), "a file outside the model dir was opened"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    file_no=st.integers(0, 3),
+    edits=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255)), min_size=1, max_size=8),
+)
+def test_fuzz_header_bytes(good, outside, file_no, edits):
+    watch = OpenWatch(outside.parent)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp) / "model"
+            shutil.copytree(good, d)
+            path = sorted(d.glob("*.safetensors"))[file_no]
+            blob = bytearray(path.read_bytes())
+            region = 8 + struct.unpack("<Q", blob[:8])[0]  # the length prefix and the JSON header
+            for pos, value in edits:
+                blob[pos % region] = value
+            path.write_bytes(bytes(blob))
+            _scan_or_refuse(d, watch)
+    finally:
+        watch.close()
+
+
+ESCAPES = [
+    "{outside}",
+    "../outside/outside.safetensors",
+    "sub/../../outside/outside.safetensors",
+    "linked.safetensors",
+    "./../outside/outside.safetensors",
+    "model-00001-of-00004.safetensors/..",
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    key=st.sampled_from(["lm_head.weight", "model.norm.weight", "model.layers.2.self_attn.A_log"]),
+    target=st.one_of(st.sampled_from(ESCAPES), st.text(max_size=40)),
+    edits=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255)), max_size=6),
+)
+def test_fuzz_index(good, outside, key, target, edits):
+    """Random weight_map targets (escapes, arbitrary text) and random byte edits of the index text."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # model dir and a valid file side by side, so the relative escapes aim at something scan could read
+        away = Path(tmp) / "outside" / "outside.safetensors"
+        away.parent.mkdir()
+        shutil.copy(outside, away)
+        d = Path(tmp) / "model"
+        shutil.copytree(good, d)
+        (d / "linked.safetensors").symlink_to(away)
+        escape = target in ESCAPES
+        target = target.replace("{outside}", str(away))
+        edit_index(d, lambda wm: wm.update({key: target}))
+        if edits:
+            blob = bytearray((d / INDEX).read_bytes())
+            for pos, value in edits:
+                blob[pos % len(blob)] = value
+            (d / INDEX).write_bytes(bytes(blob))
+        watch = OpenWatch(away.parent)
+        try:
+            _scan_or_refuse(d, watch)
+            if escape and not edits:
+                with pytest.raises(K3Error, match="outside the model dir"):
+                    scan(d, load_config(d))
+                assert not watch.opened()
+        finally:
+            watch.close()
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    edits=st.lists(
+        st.tuples(st.sampled_from(sorted(small_config())), st.one_of(st.just("<drop>"), _JSON_VALUES)),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_fuzz_config_fields(tmp_path, edits):
+    """Any field of config.json replaced by any JSON value (or dropped): a config or a K3Error, nothing else."""
+    raw = small_config()
+    for field, value in edits:
+        if value == "<drop>":
+            raw.pop(field, None)
+        else:
+            raw[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with deadline(10):
+        try:
+            cfg = load_config(path)
+        except K3Error as exc:
+            assert str(path) in str(exc) and "\n" not in str(exc)
+            return
+        try:
+            validate_topology(cfg, 2)
+        except K3Error as exc:
+            assert re.search(r"world size 2 does not divide", str(exc))

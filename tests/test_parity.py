@@ -1,0 +1,130 @@
+"""Numerics against an implementation nobody here wrote: transformers' KimiLinearForCausalLM, same checkpoint.
+
+fp32 compute at world sizes 1, 2 and 4 on gloo: prefill logits and 16 decode steps within 1e-4 x max |logit|, and
+identical greedy tokens. bf16 compute: teacher-forced on the same tokens, no farther from transformers' fp32 logits
+than transformers' own bf16 logits are (within a factor of 1.5), as the mean over teacher-forced positions of the
+largest logit error.
+"""
+
+import functools
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from k3dist.weights.twin import write_checkpoint
+
+from .configs import small_config
+from .harness import teacher_forced
+from .ranks import expect_ok, run_ranks
+
+STEPS = 16
+
+# Two configs beyond the twin: other head counts and dims, expert counts, dense prefix, layer orders, an uneven
+# vocab and dense split, grouped routing.
+CONFIGS = {
+    "small": small_config(),
+    "mla_first": small_config(
+        vocab_size=509,
+        hidden_size=96,
+        num_hidden_layers=6,
+        intermediate_size=90,
+        linear_attn_config={
+            "kda_layers": [2, 3, 5],
+            "full_attn_layers": [1, 4, 6],
+            "head_dim": 32,
+            "num_heads": 8,
+            "short_conv_kernel_size": 3,
+        },
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        kv_lora_rank=48,
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=16,
+        v_head_dim=20,
+        num_experts=12,
+        num_experts_per_token=3,
+        moe_intermediate_size=24,
+        num_shared_experts=2,
+        first_k_dense_replace=2,
+        num_expert_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.7,
+    ),
+}
+
+
+@functools.cache
+def hf_model(model_dir: str, dtype: torch.dtype):
+    from transformers import KimiLinearForCausalLM
+
+    return KimiLinearForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@functools.cache
+def reference(model_dir: str, prompt_len: int = 12, batch: int = 4):
+    """transformers fp32: greedy tokens (argmax of full forwards), then the logits over prompt + tokens."""
+    model = hf_model(model_dir, torch.float32)
+    seq = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for _ in range(STEPS):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        logits = model(seq).logits.float()
+    return seq[:, :prompt_len], seq[:, prompt_len:], logits
+
+
+def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
+    with torch.no_grad():
+        return hf_model(model_dir, dtype)(torch.cat([prompt, tokens], 1)).logits.float()
+
+
+def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path):
+    out = tmp_path / f"k3-{world}-{dtype}.safetensors"
+    expect_ok(run_ranks(teacher_forced, world, str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out)))
+    got = load_file(out)
+    return got["prefill"], got["steps"]
+
+
+@pytest.fixture(scope="module")
+def small_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    return {
+        name: write_checkpoint(raw, root / name, seed=3, dtype="bfloat16", shard_bytes=1 << 20)
+        for name, raw in CONFIGS.items()
+    }
+
+
+def check_fp32(model_dir, world, tmp_path):
+    prompt, tokens, ref = reference(str(model_dir))
+    prefill, steps = k3_logits(model_dir, world, "float32", prompt, tokens, tmp_path)
+    T = prompt.shape[1]
+    scale = ref.abs().max().item()
+    assert (prefill - ref[:, :T]).abs().max().item() <= 1e-4 * scale
+    assert (steps - ref[:, T - 1 : T - 1 + STEPS]).abs().max().item() <= 1e-4 * scale
+    assert torch.equal(steps.argmax(-1), tokens), "greedy tokens differ from transformers"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_twin_fp32_matches_transformers(twin_dir, world, tmp_path):
+    check_fp32(twin_dir, world, tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_small_configs_fp32_match_transformers(small_dirs, name, world, tmp_path):
+    check_fp32(small_dirs[name], world, tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, tmp_path):
+    prompt, tokens, ref = reference(str(twin_dir))
+    T = prompt.shape[1]
+    hf_bf16 = hf_logits(str(twin_dir), torch.bfloat16, prompt, tokens)
+    prefill, steps = k3_logits(twin_dir, world, "bfloat16", prompt, tokens, tmp_path)
+    mine = torch.cat([prefill[:, : T - 1], steps], 1)
+    theirs = hf_bf16[:, : T - 1 + STEPS]
+    target = ref[:, : T - 1 + STEPS]
+    # distance = max |logit error| at each teacher-forced position, averaged over positions and sequences
+    err_mine = (mine - target).abs().amax(-1).mean().item()
+    err_theirs = (theirs - target).abs().amax(-1).mean().item()
+    assert err_mine <= 1.5 * err_theirs, (err_mine, err_theirs)

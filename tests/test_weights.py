@@ -1,0 +1,547 @@
+"""The weight pipeline's contracts: the TP plan table, copy_shard's rank-local reads, the plan figures of the real
+48B config, topology validation, the twin writer's layout (and transformers loading it), dense-MLP key aliases.
+
+Every checkpoint here is a real safetensors file in a tmp dir; multi-rank checks run real gloo ranks.
+"""
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from k3dist.config import load_config, parse_config, validate_topology
+from k3dist.errors import K3Error
+from k3dist.weights.inventory import INDEX, scan
+from k3dist.weights.schema import expected_tensors, keeps_fp32
+from k3dist.weights.tp_plan import (
+    COLUMN,
+    HEADS,
+    POLICY,
+    REPLICATED,
+    ROW,
+    TORCH_DTYPES,
+    VOCAB,
+    copy_shard,
+    plan_rank,
+    plan_tensor,
+    store_shapes,
+)
+from k3dist.weights.twin import write_checkpoint
+from k3dist.weights.whatif import config_inputs, plan_world
+
+from .configs import small_config
+from .ranks import expect_ok, run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "k3dist" / "configs"
+TWIN_CONFIG = CONFIGS / "Kimi-K3-0.40B-config.json"
+REAL_CONFIG = CONFIGS / "Kimi-Linear-48B-A3B-config.json"
+
+# One tensor name per axis of the policy (the axis comes from the name, as in a checkpoint).
+AXIS_EXAMPLES = {
+    REPLICATED: "model.layers.0.input_layernorm.weight",
+    VOCAB: "lm_head.weight",
+    COLUMN: "model.layers.1.self_attn.q_proj.weight",
+    ROW: "model.layers.1.self_attn.o_proj.weight",
+    HEADS: "model.layers.1.self_attn.A_log",
+}
+ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _expected_slice(full: torch.Tensor, dim: int | None, start: int, stop: int) -> torch.Tensor:
+    return full if dim is None else full.narrow(dim, start, stop - start)
+
+
+# ---------------------------------------------------------------------------------------------- copy_shard
+
+
+def test_policy_uses_exactly_the_axes_covered_here():
+    assert {axis for _, axis in POLICY} == set(AXIS_EXAMPLES)
+    assert (REPLICATED.dim, VOCAB.dim, COLUMN.dim, ROW.dim, HEADS.dim) == (None, 0, 0, 1, 2)
+
+
+@st.composite
+def _shard_case(draw):
+    axis = draw(st.sampled_from(list(AXIS_EXAMPLES)))
+    if axis is HEADS:
+        shape = (1, 1, draw(st.integers(1, 16)), 1)  # A_log [1, 1, H, 1]
+    else:
+        ndim = draw(st.integers(2 if axis is ROW else 1, 3))
+        shape = tuple(draw(st.lists(st.integers(1, 12), min_size=ndim, max_size=ndim)))
+    return (
+        axis,
+        shape,
+        draw(st.integers(1, 8)),
+        draw(st.sampled_from(sorted(ST_DTYPES))),
+        draw(st.sampled_from([torch.bfloat16, torch.float32])),
+        draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_shard_case())
+def test_copy_shard_slices_and_reassembles_every_axis(case):
+    axis, shape, world, src, compute, seed = case
+    name = AXIS_EXAMPLES[axis]
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(ST_DTYPES[src])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.safetensors")
+        save_file({name: full}, path)
+        shards, covered = [], 0
+        with safe_open(path, framework="pt") as handle:
+            for rank in range(world):
+                plan = plan_tensor(name, name, "t.safetensors", shape, src, world, rank, compute)
+                piece = copy_shard(handle, plan)
+                assert plan.axis == axis and plan.full_shape == shape
+                assert piece.dtype == ST_DTYPES[src] == TORCH_DTYPES[plan.src_dtype]
+                assert tuple(piece.shape) == plan.local_shape
+                # owned, contiguous, exactly the local bytes (no view of the whole tensor or of the file)
+                assert piece.is_contiguous() and piece.untyped_storage().nbytes() == piece.numel() * piece.itemsize
+                kept = torch.float32 if keeps_fp32(name) else compute
+                assert plan.dtype == kept
+                assert plan.numel == math.prod(plan.local_shape) == piece.numel()
+                assert plan.local_bytes == piece.numel() * kept.itemsize
+                assert plan.source_bytes == piece.numel() * piece.itemsize
+                if axis.dim is None:
+                    assert plan.local_shape == shape
+                    assert torch.equal(piece, full)
+                    continue
+                # ranks tile [0, size) in rank order
+                assert plan.start == covered <= plan.stop <= shape[axis.dim]
+                covered = plan.stop
+                assert plan.local_shape == tuple(
+                    plan.stop - plan.start if i == axis.dim else n for i, n in enumerate(shape)
+                )
+                assert torch.equal(piece, _expected_slice(full, axis.dim, plan.start, plan.stop))
+                if shape[axis.dim] % world == 0:
+                    assert plan.local_shape[axis.dim] == shape[axis.dim] // world
+                shards.append(piece)
+        if axis.dim is not None:
+            assert covered == shape[axis.dim]
+            assert torch.equal(torch.cat(shards, dim=axis.dim), full)
+
+
+def _big_tensor(path: str, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    full = (torch.arange(math.prod(shape), dtype=torch.int64) % 251).reshape(shape).to(torch.bfloat16)
+    save_file({name: full}, path)
+    return full
+
+
+@pytest.mark.parametrize("axis", [VOCAB, ROW], ids=["dim0", "dim1"])
+def test_copy_shard_owns_only_local_bytes_and_does_not_alias_the_file(tmp_path, axis):
+    """A 64 MiB tensor, rank 3 of 8: the result holds 8 MiB, and rewriting the file afterwards does not change it."""
+    name, world, rank = AXIS_EXAMPLES[axis], 8, 3
+    shape = (4096, 8192)  # bf16: 64 MiB
+    path = tmp_path / "big.safetensors"
+    full = _big_tensor(str(path), name, shape)
+    plan = plan_tensor(name, name, path.name, shape, "BF16", world, rank, torch.bfloat16)
+    with safe_open(path, framework="pt") as handle:
+        piece = copy_shard(handle, plan)
+    local = full.numel() * 2 // world
+    assert plan.local_bytes == plan.source_bytes == local == 8 * 2**20
+    assert piece.untyped_storage().nbytes() == local and piece.is_contiguous()
+    expect = _expected_slice(full, axis.dim, plan.start, plan.stop)
+    assert torch.equal(piece, expect)
+    # overwrite the whole data region in place: a view of the file's mmap would change with it
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        header = 8 + struct.unpack("<Q", f.read(8))[0]
+        f.seek(header)
+        f.write(b"\xff" * (size - header))
+    assert torch.equal(piece, expect)
+
+
+# Runs in a child process. For each file: make every page of the tensor that holds no byte of rank `rank`
+# unreadable (PROT_NONE) in the mapping safetensors made of the file, check from /proc/self/maps that they are,
+# then copy the shard. Last, the control: a full read under the same protection, which must kill the process.
+_PROTECTED_READ = r"""
+import ctypes, json, mmap, os, struct, sys
+import torch
+from safetensors import safe_open
+from k3dist.weights.tp_plan import copy_shard, plan_tensor
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+page = mmap.PAGESIZE
+world, rank = int(sys.argv[1]), int(sys.argv[2])
+
+
+def mapping(path):
+    return [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(" " + path)]
+
+
+def shard_under_protection(path, name, rows, cols, control):
+    path = os.path.realpath(path)
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        base = 8 + n + json.loads(f.read(n))[name]["data_offsets"][0]
+    plan = plan_tensor(name, name, "f", (rows, cols), "BF16", world, rank, torch.bfloat16)
+    with safe_open(path, framework="pt") as handle:
+        maps = mapping(path)
+        if not maps:
+            print("NOMAP", flush=True)
+            sys.exit(0)
+        wanted = 0
+
+        def protect(a, b):
+            nonlocal wanted
+            for m in maps:
+                lo, hi = (int(v, 16) for v in m[0].split("-"))
+                off = int(m[2], 16)
+                s, e = max(a, off), min(b, off + hi - lo)
+                s, e = (s + page - 1) // page * page, e // page * page
+                if e > s:
+                    assert libc.mprotect(lo + s - off, e - s, 0) == 0, ctypes.get_errno()
+                    wanted += e - s
+
+        if plan.axis.dim == 0:
+            protect(base, base + plan.start * cols * 2)
+            protect(base + plan.stop * cols * 2, base + rows * cols * 2)
+        else:
+            for r in range(rows):
+                row = base + r * cols * 2
+                protect(row, row + plan.start * 2)
+                protect(row + plan.stop * 2, row + cols * 2)
+        spans = [(m[0].split("-"), m[1]) for m in mapping(path)]
+        none = sum(int(b, 16) - int(a, 16) for (a, b), perm in spans if perm.startswith("---"))
+        assert none == wanted, (none, wanted)
+        if control:
+            print("CONTROL", flush=True)
+            handle.get_slice(name)[:].clone()
+            print("READ-ALL", flush=True)
+            return
+        piece = copy_shard(handle, plan)
+    full = (torch.arange(rows * cols, dtype=torch.int64) % 251).reshape(rows, cols).to(torch.bfloat16)
+    assert torch.equal(piece, full.narrow(plan.axis.dim, plan.start, plan.stop - plan.start))
+    print("OK", name, none, piece.untyped_storage().nbytes(), flush=True)
+
+
+jobs = [a.split(":") for a in sys.argv[3:]]
+for path, name, rows, cols in jobs:
+    shard_under_protection(path, name, int(rows), int(cols), control=False)
+path, name, rows, cols = jobs[-1]
+shard_under_protection(path, name, int(rows), int(cols), control=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc/self/maps and mprotect")
+def test_copy_shard_never_touches_other_ranks_bytes(tmp_path):
+    """With every page of the other ranks' bytes unreadable, copy_shard still returns the exact shard (dim 0 and
+    dim 1); the control, a full read under the same protection, kills the process, so the protection is real."""
+    world, rank = 8, 5
+    jobs = [(VOCAB, (1024, 2048)), (ROW, (128, 8 * 2048))]  # 4 MiB each; dim 1: one page per rank per row
+    args = []
+    for axis, (rows, cols) in jobs:
+        path = tmp_path / f"{axis.name}.safetensors"
+        _big_tensor(str(path), AXIS_EXAMPLES[axis], (rows, cols))
+        args.append(f"{path}:{AXIS_EXAMPLES[axis]}:{rows}:{cols}")
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", _PROTECTED_READ, str(world), str(rank), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env)
+    if "NOMAP" in proc.stdout:
+        pytest.skip("this safetensors build does not mmap the file")
+    ok = [line.split() for line in proc.stdout.splitlines() if line.startswith("OK ")]
+    assert [o[1] for o in ok] == [AXIS_EXAMPLES[a] for a, _ in jobs], proc.stdout + proc.stderr[-3000:]
+    for (_, shape), o in zip(jobs, ok, strict=True):
+        other = math.prod(shape) * 2 * (world - 1) // world  # the other ranks' bytes
+        assert int(o[2]) >= other * 0.7  # most of them were unreadable (partial pages at the edges stay readable)
+        assert int(o[3]) == math.prod(shape) * 2 // world
+    assert "CONTROL" in proc.stdout and "READ-ALL" not in proc.stdout
+    assert proc.returncode < 0, (proc.returncode, proc.stderr[-3000:])  # killed (SIGSEGV) reading a protected page
+
+
+# ---------------------------------------------------------------------------------------------- the TP plan table
+
+
+def _design_table(cfg) -> dict[str, str]:
+    """DESIGN.md's table, restated name by name for a config: canonical name -> axis name."""
+    out = {"model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab", "model.norm.weight": "replicated"}
+    kda = {
+        **dict.fromkeys(["q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d"], "column"),
+        **dict.fromkeys(["f_b_proj", "g_b_proj", "b_proj"], "column"),
+        **dict.fromkeys(["f_a_proj", "g_a_proj", "o_norm"], "replicated"),
+        "o_proj": "row",
+    }
+    mla = {"q_proj": "column", "kv_b_proj": "column", "kv_a_proj_with_mqa": "replicated"}
+    mla |= {"kv_a_layernorm": "replicated", "o_proj": "row"}
+    for spec in cfg.layers:
+        p = f"model.layers.{spec.index}."
+        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = "replicated"
+        a = p + "self_attn."
+        out |= {f"{a}{k}.weight": v for k, v in (kda if spec.mixer == "kda" else mla).items()}
+        if spec.mixer == "kda":
+            out |= {a + "A_log": "heads", a + "dt_bias": "column"}
+        if spec.mlp == "dense":
+            out |= {p + "mlp.gate_proj.weight": "column", p + "mlp.up_proj.weight": "column"}
+            out[p + "mlp.down_proj.weight"] = "row"
+            continue
+        m = p + "block_sparse_moe."
+        out |= {m + "gate.weight": "replicated", m + "gate.e_score_correction_bias": "replicated"}
+        for e in range(cfg.num_experts):
+            out |= {f"{m}experts.{e}.w1.weight": "column", f"{m}experts.{e}.w3.weight": "column"}
+            out[f"{m}experts.{e}.w2.weight"] = "row"
+        for k, v in (("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row")):
+            out[f"{m}shared_experts.{k}.weight"] = v
+    return out
+
+
+def test_tp_plan_table_on_the_twin_at_world_2():
+    cfg = load_config(TWIN_CONFIG)
+    table = _design_table(cfg)
+    schema = expected_tensors(cfg)
+    assert set(table) == set(schema)  # the restated table covers every tensor of the twin, nothing more
+    inputs = config_inputs(cfg)
+    ranks = [plan_rank(inputs, 2, r, torch.bfloat16) for r in range(2)]
+    dims = {"vocab": 0, "column": 0, "row": 1, "heads": 2, "replicated": None}
+    for i, (name, shape) in enumerate(schema.items()):
+        plans = [ranks[r][i] for r in range(2)]
+        assert all(p.name == name and p.full_shape == shape for p in plans)
+        want = table[name]
+        assert [p.axis.name for p in plans] == [want, want], name
+        assert plans[0].axis.dim == dims[want], name
+        total = sum(p.numel for p in plans)
+        if want == "replicated":
+            assert [p.local_shape for p in plans] == [shape, shape]
+        else:
+            d = dims[want]
+            assert [p.local_shape[d] for p in plans] == [shape[d] // 2] * 2, name
+            assert (plans[0].start, plans[0].stop, plans[1].start, plans[1].stop) == (
+                0,
+                shape[d] // 2,
+                shape[d] // 2,
+                shape[d],
+            )
+            assert total == math.prod(shape), name
+    # spot-check the shapes the model relies on (P = 8 heads x 128; MLA 8 heads; experts 16 x 64)
+    by = {p.name: p for p in ranks[1]}
+    L1, L4 = "model.layers.1.self_attn.", "model.layers.3.self_attn."  # KDA layer 2, MLA layer 4 (1-based)
+    assert by[L1 + "q_proj.weight"].local_shape == (512, 1024)
+    assert by[L1 + "q_conv1d.weight"].local_shape == (512, 1, 4)
+    assert by[L1 + "A_log"].local_shape == (1, 1, 4, 1) and by[L1 + "A_log"].dtype == torch.float32
+    assert by[L1 + "dt_bias"].local_shape == (512,) and by[L1 + "dt_bias"].dtype == torch.float32
+    assert by[L1 + "b_proj.weight"].local_shape == (4, 1024)
+    assert by[L1 + "o_proj.weight"].local_shape == (1024, 512)
+    assert by[L4 + "q_proj.weight"].local_shape == (4 * 96, 1024)
+    assert by[L4 + "kv_b_proj.weight"].local_shape == (4 * 128, 128)
+    assert by[L4 + "kv_a_proj_with_mqa.weight"].local_shape == (160, 1024)
+    assert by["lm_head.weight"].local_shape == by["model.embed_tokens.weight"].local_shape == (81920, 1024)
+    router = by["model.layers.1.block_sparse_moe.gate.weight"]
+    assert router.local_shape == (16, 1024) and router.dtype == torch.float32
+    shapes = store_shapes(ranks[1])
+    assert shapes["model.layers.1.block_sparse_moe.experts.w1"] == ((16, 32, 1024), torch.bfloat16)
+    assert shapes["model.layers.1.block_sparse_moe.experts.w2"] == ((16, 1024, 32), torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------- the real 48B config
+
+
+def test_plan_figures_of_the_real_48b_config():
+    cfg = load_config(REAL_CONFIG)
+    inputs = config_inputs(cfg)
+    one = plan_rank(inputs, 1, 0, torch.bfloat16)
+    assert len(one) == 20_493
+    assert sum(p.numel for p in one) == 49_122_681_728
+    (w1,) = plan_world(cfg, None, 1, torch.bfloat16, 0, 0, 2**62)
+    assert w1.tensors == 20_493 and w1.source_bytes == 2 * 49_122_681_728
+    assert w1.replicated_bytes > 0 and w1.fits
+    for world in (2, 4, 8):
+        plans = plan_world(cfg, None, world, torch.bfloat16, 0, 0, 2**62)
+        assert [p.rank for p in plans] == list(range(world))
+        assert {p.replicated_bytes for p in plans} == {w1.replicated_bytes}
+        assert sum(p.local_bytes for p in plans) == w1.local_bytes + (world - 1) * w1.replicated_bytes
+        assert sum(p.source_bytes for p in plans) == w1.source_bytes + (world - 1) * sum(
+            p.source_bytes for p in one if p.axis.dim is None
+        )
+        assert all(p.tensors == 20_493 for p in plans)
+
+
+# ---------------------------------------------------------------------------------------------- topology
+
+
+def test_validate_topology_on_the_twin():
+    cfg = load_config(TWIN_CONFIG)
+    for world in (1, 2, 4, 8):
+        validate_topology(cfg, world)
+    with pytest.raises(K3Error) as err:
+        validate_topology(cfg, 3)
+    msg = str(err.value)
+    assert str(TWIN_CONFIG) in msg and "world size 3" in msg
+    assert "num_heads)=8" in msg and "num_attention_heads)=8" in msg and "moe_intermediate_size)=64" in msg
+    assert "[1, 2, 4, 8]" in msg
+    with pytest.raises(K3Error, match=r"world size 16 .*=8"):
+        validate_topology(cfg, 16)
+    with pytest.raises(K3Error, match="must be >= 1"):
+        validate_topology(cfg, 0)
+
+
+def test_validate_topology_on_the_real_config():
+    cfg = load_config(REAL_CONFIG)
+    for world in (1, 2, 4, 8, 16, 32):
+        validate_topology(cfg, world)
+    with pytest.raises(K3Error, match=r"world size 6 does not divide .*=32"):
+        validate_topology(cfg, 6)
+
+
+# ---------------------------------------------------------------------------------------------- the twin checkpoint
+
+
+def test_twin_writer_layout(twin_dir):
+    cfg = load_config(twin_dir)
+    index = json.loads((twin_dir / INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and files == sorted(p.name for p in twin_dir.glob("*.safetensors"))
+    assert all(f.startswith("model-") and f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    schema = expected_tensors(cfg)
+    assert set(index["weight_map"]) == set(schema)
+    names, total = {}, 0
+    for f in files:
+        with safe_open(twin_dir / f, framework="pt") as h:
+            for key in h.keys():
+                s = h.get_slice(key)
+                names[key] = (tuple(s.get_shape()), s.get_dtype())
+                total += math.prod(s.get_shape()) * 2
+                assert index["weight_map"][key] == f
+    assert {k: v[0] for k, v in names.items()} == schema
+    assert {v[1] for v in names.values()} == {"BF16"}
+    assert index["metadata"]["total_size"] == total
+    # original Hugging Face names
+    assert "model.layers.1.self_attn.q_conv1d.weight" in names
+    assert "model.layers.1.block_sparse_moe.experts.15.w1.weight" in names
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    assert not any(k.startswith("model.layers.0.block_sparse_moe.") for k in names)
+    with safe_open(twin_dir / index["weight_map"]["model.layers.1.self_attn.A_log"], framework="pt") as h:
+        a_log = h.get_tensor("model.layers.1.self_attn.A_log").float()
+    bf16_ulp = 2.0**-6  # spacing of bf16 values in [2, 4)
+    assert a_log.min() >= math.log(1.0) and a_log.max() <= math.log(16.0) + bf16_ulp
+    assert a_log.max() - a_log.min() > 0.5  # drawn, not constant
+    for key in [k for k in names if k.endswith("norm.weight")]:
+        with safe_open(twin_dir / index["weight_map"][key], framework="pt") as h:
+            assert torch.equal(h.get_tensor(key), torch.ones(names[key][0], dtype=torch.bfloat16)), key
+    inv = scan(twin_dir, cfg)
+    assert list(inv.entries) == list(schema) and inv.files == tuple(files)
+
+
+def test_transformers_loads_the_twin_without_key_problems(twin_dir):
+    from transformers import KimiLinearForCausalLM
+
+    model, info = KimiLinearForCausalLM.from_pretrained(twin_dir, output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert not info.get("error_msgs"), info
+    index = json.loads((twin_dir / INDEX).read_text())["weight_map"]
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight"):
+        with safe_open(twin_dir / index[key], framework="pt") as h:
+            assert torch.equal(model.state_dict()[key], h.get_tensor(key)), key
+
+
+# ---------------------------------------------------------------------------------------------- key aliases
+
+
+def test_inventory_maps_save_pretrained_dense_mlp_names(tmp_path):
+    raw = small_config()
+    d = write_checkpoint(raw, tmp_path / "m", seed=3, shard_bytes=200_000)
+    index = json.loads((d / INDEX).read_text())
+    renames = {
+        f"model.layers.0.mlp.{p}.weight": f"model.layers.0.block_sparse_moe.{p}.weight"
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    originals = {}
+    for file in sorted({index["weight_map"][k] for k in renames}):
+        with safe_open(d / file, framework="pt") as h:
+            tensors = {k: h.get_tensor(k).clone() for k in h.keys()}
+        originals |= {k: v for k, v in tensors.items() if k in renames}
+        save_file({renames.get(k, k): v for k, v in tensors.items()}, str(d / file), metadata={"format": "pt"})
+    index["weight_map"] = {renames.get(k, k): v for k, v in index["weight_map"].items()}
+    (d / INDEX).write_text(json.dumps(index))
+    cfg = parse_config(raw)
+    inv = scan(d, cfg)
+    assert list(inv.entries) == list(expected_tensors(cfg))
+    for canon, saved in renames.items():
+        entry = inv.entries[canon]
+        assert entry.name == canon and entry.key == saved
+        plan = plan_tensor(*entry.as_plan_input(), 2, 1, torch.bfloat16)
+        with safe_open(d / entry.file, framework="pt") as h:
+            piece = copy_shard(h, plan)
+        full = originals[canon]
+        assert torch.equal(piece, full.narrow(plan.axis.dim, plan.start, plan.stop - plan.start))
+    # both spellings at once is one tensor twice
+    with safe_open(d / index["weight_map"][renames["model.layers.0.mlp.up_proj.weight"]], framework="pt") as h:
+        extra = {"model.layers.0.mlp.up_proj.weight": h.get_tensor("model.layers.0.block_sparse_moe.up_proj.weight")}
+    save_file(extra, str(d / "model-extra.safetensors"))
+    (d / INDEX).unlink()
+    with pytest.raises(
+        K3Error, match=r"model-extra.safetensors: tensor model.layers.0.mlp.up_proj.weight is duplicated"
+    ):
+        scan(d, cfg)
+
+
+# ---------------------------------------------------------------------------------------------- real ranks
+
+
+def _rank_reads_and_gathers(model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg = load_config(model_dir)
+        inv = scan(model_dir, cfg)
+        plans = plan_rank(inv.plan_inputs(), world, rank, torch.bfloat16)
+        checked = 0
+        for p in plans:
+            with safe_open(Path(model_dir) / p.file, framework="pt") as h:
+                piece = copy_shard(h, p)
+                full = h.get_tensor(p.key)
+            if p.axis.dim is None:
+                assert torch.equal(piece, full), p.name
+                continue
+            parts = [torch.empty_like(piece) for _ in range(world)]
+            dist.all_gather(parts, piece.contiguous())
+            assert torch.equal(torch.cat(parts, dim=p.axis.dim), full), p.name
+            checked += 1
+        return {
+            "rank": rank,
+            "checked": checked,
+            "local": sum(p.local_bytes for p in plans),
+            "fingerprint": inv.fingerprint,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_read_shards_that_gather_to_the_checkpoint(tmp_path):
+    raw = small_config()
+    d = write_checkpoint(raw, tmp_path / "m", seed=5, shard_bytes=200_000)
+    out = expect_ok(run_ranks(_rank_reads_and_gathers, 2, str(d), timeout=120))
+    cfg = parse_config(raw)
+    sharded = sum(1 for p in plan_rank(config_inputs(cfg), 1, 0, torch.bfloat16) if p.axis.dim is not None)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert {o["checked"] for o in out} == {sharded} and sharded > 100
+    assert len({o["fingerprint"] for o in out}) == 1
+    expect = [m.local_bytes for m in plan_world(cfg, scan(d, cfg), 2, torch.bfloat16, 0, 0, 2**40)]
+    assert [o["local"] for o in out] == expect
+
+
+def test_write_checkpoint_is_deterministic_per_seed(tmp_path):
+    raw = small_config()
+    a = write_checkpoint(raw, tmp_path / "a", seed=1, shard_bytes=200_000)
+    b = write_checkpoint(raw, tmp_path / "b", seed=1, shard_bytes=200_000)
+    c = write_checkpoint(raw, tmp_path / "c", seed=2, shard_bytes=200_000)
+    files = sorted(p.name for p in a.glob("*.safetensors"))
+    assert len(files) >= 3
+    same = [(a / f).read_bytes() == (b / f).read_bytes() for f in files]
+    differ = [(a / f).read_bytes() != (c / f).read_bytes() for f in files]
+    assert all(same) and all(differ)
+    cfg = parse_config(raw)
+    assert scan(a, cfg).fingerprint == scan(b, cfg).fingerprint  # header-only: c has the same headers too
