@@ -36,7 +36,9 @@ def spawn(job: dict, nproc: int) -> None:
     from k3dist.dist import free_port
     from k3dist.job import rank_entry
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    for name in list(logging.root.manager.loggerDict):  # the agent's own logs would bury the `error:` lines
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -72,8 +74,9 @@ def main(cfg: DictConfig) -> None:
         else:
             spawn(job, int(job["dist"]["nproc"]))
     except K3Error as exc:
-        print(exc.line, file=sys.stderr, flush=True)
-        sys.exit(1)
+        from k3dist.job import exit_with_error
+
+        exit_with_error(exc)
 
 
 if __name__ == "__main__":

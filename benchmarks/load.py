@@ -408,8 +408,8 @@ def main() -> None:
         f"`budget` = local_bytes + staging_peak + {args.budget_mib} MiB of the rank's plan (target RSS / budget <= 1); "
         "`load / peer`, `wall / peer`: k3dist / transformers (target <= 1).",
         "`touch s`: after the load, read every weight byte once (`t.sum()` per tensor), `RSS after touch`: the "
-        "process RSS then. On CPU the safetensors loader hands out views of the file mmap, so bytes a load does "
-        "not copy are paid for at the first forward; this column shows that deferred cost on both sides.",
+        "process RSS then: the cost a load defers to the first forward (weights left as views of the file mmap "
+        "fault their pages in then); near zero when the load already made every byte resident.",
         "RSS at the end of the load (anon / file-backed), MiB: "
         + "; ".join(
             f"k3dist w{w} r{r} {opt([rep[r] for rep in ranks[w]], 'rss_anon', MiB)} / "

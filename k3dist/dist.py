@@ -74,7 +74,25 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) 
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timeout, **kwargs)
     ctrl = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    return Runtime(rank, world, local_rank, local_world, dev, backend, ctrl, float(timeout_s))
+    global _current
+    _current = Runtime(rank, world, local_rank, local_world, dev, backend, ctrl, float(timeout_s))
+    return _current
+
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    """The runtime this process joined, if any (for the exit path)."""
+    return _current
+
+
+def settle(rt: Runtime, seconds: float = 5.0) -> None:
+    """Bounded barrier after an agreed failure, so every rank has printed its error before any rank exits."""
+    try:
+        dist.monitored_barrier(group=rt.ctrl, timeout=timedelta(seconds=min(seconds, rt.timeout_s)))
+    except Exception:  # noqa: BLE001 - a peer already gone is fine here: we are exiting anyway
+        pass
 
 
 def shutdown() -> None:
@@ -108,5 +126,8 @@ def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
         ) from None
     failed = [s for s in statuses if s["error"]]
     if failed:
-        raise K3Error(f"{stage} failed on {len(failed)} of {rt.world} ranks: " + "; ".join(s["error"] for s in failed))
+        raise K3Error(
+            f"{stage} failed on {len(failed)} of {rt.world} ranks: " + "; ".join(s["error"] for s in failed),
+            agreed=True,
+        )
     return statuses

@@ -4,8 +4,9 @@
 class K3Error(Exception):
     """A user error (bad checkpoint, topology, preflight refusal, bad override): printed as one `error:` line."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, agreed: bool = False):
         super().__init__(" ".join(str(message).split()))  # always one line
+        self.agreed = agreed  # every rank raised this same error together (from an agreement)
 
     @property
     def line(self) -> str:

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -81,14 +82,12 @@ def run_rank(job: dict) -> dict | None:
     setup_logging(rt.rank)
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
-    try:
-        result = plan_only(s, rt) if s.mode == "plan" else load_and_generate(s, rt)
-        if rt.is_main:
-            write_result(result, s.out)
-            print_summary(result)
-        return result if rt.is_main else None
-    finally:
-        dist.shutdown()
+    result = plan_only(s, rt) if s.mode == "plan" else load_and_generate(s, rt)
+    if rt.is_main:
+        write_result(result, s.out)
+        print_summary(result)
+    dist.shutdown()  # only on success: tearing down a group whose peer failed can block; exiting frees it all
+    return result if rt.is_main else None
 
 
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
@@ -165,11 +164,24 @@ def write_result(result: dict, out: str | None) -> None:
     os.replace(tmp, path)
 
 
+def exit_with_error(exc: K3Error) -> NoReturn:
+    """Print the one `error:` line and exit 1; after an agreed failure, wait (bounded) until every rank printed.
+
+    `os._exit` skips interpreter teardown: destroying process groups whose peers may be gone can block or abort.
+    """
+    sys.stderr.flush()
+    os.write(2, (exc.line + "\n").encode())  # one write: ranks sharing a terminal never interleave lines
+    rt = dist.current()
+    if exc.agreed and rt is not None and rt.world > 1:
+        dist.settle(rt)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 @record
 def rank_entry(job: dict) -> None:
-    """Entry point of a spawned rank: a user error is one `error:` line and exit code 1."""
+    """Entry point of a rank spawned by launch.py."""
     try:
         run_rank(job)
     except K3Error as exc:
-        print(exc.line, file=sys.stderr, flush=True)
-        sys.exit(1)
+        exit_with_error(exc)

@@ -62,7 +62,7 @@ def preflight(
     log.info("k3_weight_plan " + " ".join(f"{k}={v}" for k, v in mp.as_dict().items()))
     statuses = agree(
         "preflight",
-        None if mp.fits else mp.refusal(),
+        None if mp.fits else mp.refusal() + "; lower memory.reserve or cache.cap, or add ranks",
         rt,
         plan=mp.as_dict(),
         fingerprint=inv.fingerprint,
@@ -167,7 +167,7 @@ def upload(inv: Inventory, plans: list[ShardPlan], rt: Runtime, faults: Faults) 
     except BaseException as exc:
         bar.close()
         freed, live = up.free_all()
-        log.info("k3_weight_cleanup rank=%d freed=%d live=%d", rt.rank, freed, live)
+        log.warning("k3_weight_cleanup rank=%d freed=%d live=%d", rt.rank, freed, live)
         if isinstance(exc, torch.OutOfMemoryError):
             raise K3Error(
                 f"rank {rt.rank}: out of device memory during upload after {fmt_bytes(uploaded)} of "
