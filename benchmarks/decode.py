@@ -266,8 +266,8 @@ def main() -> None:
         f"fed to transformers), max_new_tokens {args.max_new_tokens}, greedy; one run per point.",
         f"threads: k3dist ranks split the {cpus} cores (`cpu_count // nproc` each); transformers uses torch's default "
         f"({peer['threads']}) in one process.",
-        "`prefill s`: k3dist `prefill_seconds` (first forward of the job, so it includes first-touch of the mmapped "
-        "weights) / transformers: one forward over the prompt right after from_pretrained "
+        "`prefill s`: k3dist `prefill_seconds` (the first forward of the job, one-time warm-up included) / "
+        "transformers: one forward over the prompt right after from_pretrained, also its first "
         f"(the prefill inside generate then took {inner}).",
         "`decode tok/s` = batch x decode steps / seconds of those steps (k3dist: result.json; transformers: time "
         "between successive logits-processor calls inside generate). Ratios are k3dist / transformers: "

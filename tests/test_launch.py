@@ -1,0 +1,98 @@
+"""The command line as users run it: defaults, every way of starting agrees, what-if planning, refusals."""
+
+import subprocess
+import sys
+
+import pytest
+
+from .cli import ROOT, error_lines, run_cli
+
+FIELDS = {"world_size", "backend", "device", "dtype", "plan", "load_seconds", "tokens", "top_logits",
+          "prefill_seconds", "decode_tokens_per_second", "step_ms"}
+PLAN_FIELDS = {"source_bytes", "local_bytes", "replicated_bytes", "staging_peak", "derived_bytes", "cache_bytes",
+               "reserve", "admitted", "free"}
+
+
+def test_default_run_writes_twin_and_generates_32_tokens(k3_cache, tmp_path):
+    rc, text, result = run_cli(tmp_path)
+    assert rc == 0, text
+    assert FIELDS <= set(result) and PLAN_FIELDS <= set(result["plan"][0])
+    assert result["world_size"] == 1 and result["dtype"] == "bfloat16" and result["device"] == "cpu"
+    assert [len(t) for t in result["tokens"]] == [32]
+    assert len(result["top_logits"][0]) == 32 and len(result["top_logits"][0][0]) == 5
+    assert result["decode_tokens_per_second"] > 0 and result["step_ms"]["p90"] >= result["step_ms"]["p50"] > 0
+    assert list(k3_cache.glob("Kimi-K3-0.40B-config-*/model.safetensors.index.json"))
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(k3_cache, tmp_path_factory):
+    """The twin in fp32 started three ways: launch.py in-process, launch.py spawning 2 ranks, torchrun 2 ranks."""
+    runs = {}
+    for name, extra, torchrun in [
+        ("nproc1", ["dist.nproc=1"], None),
+        ("nproc2", ["dist.nproc=2"], None),
+        ("torchrun2", [], ["--nproc_per_node=2"]),
+    ]:
+        tmp = tmp_path_factory.mktemp(name)
+        rc, text, result = run_cli(tmp, "model.dtype=float32", *extra, torchrun=torchrun)
+        assert rc == 0, text
+        runs[name] = (tmp, result)
+    return runs
+
+
+def test_every_way_of_starting_gives_the_same_tokens(fp32_runs):
+    tokens = {name: r["tokens"] for name, (_, r) in fp32_runs.items()}
+    assert len(tokens["nproc1"][0]) == 32
+    assert tokens["nproc1"] == tokens["nproc2"] == tokens["torchrun2"]
+    assert fp32_runs["nproc2"][1]["plan"] == [
+        {**p, "free": fp32_runs["nproc2"][1]["plan"][i]["free"]} for i, p in enumerate(fp32_runs["torchrun2"][1]["plan"])
+    ]
+    assert fp32_runs["torchrun2"][1]["world_size"] == 2
+
+
+def test_only_rank0_owns_a_run_dir(fp32_runs):
+    tmp, _ = fp32_runs["torchrun2"]
+    assert (tmp / "run" / ".hydra" / "config.yaml").exists()
+    assert not (ROOT / ".hydra").exists() and not (ROOT / "launch.log").exists()
+
+
+def test_cap_too_small_is_refused_up_front(k3_cache, tmp_path):
+    rc, text, _ = run_cli(tmp_path, "cache.cap=20", "generate.prompt_len=16", "generate.max_new_tokens=8")
+    assert rc != 0 and error_lines(text) == [
+        "error: prompt of 16 tokens + generate.max_new_tokens=8 exceeds cache.cap=20 (raise cache.cap to at least 24)"
+    ]
+    assert "k3_weight_plan" not in text
+
+
+def test_bad_override_is_one_error_line(tmp_path):
+    rc, text, _ = run_cli(tmp_path, "memory.reserve=lots")
+    assert rc != 0 and error_lines(text) == [
+        "error: memory.reserve='lots' is not a byte size (use an int or e.g. 512MiB, 2GiB, 1GB)"
+    ]
+
+
+def test_what_if_plan_of_the_real_48b_model(tmp_path):
+    rc, text, result = run_cli(tmp_path, "model=kimi_linear_48b", "run.mode=plan", "dist.world_size=8",
+                               "memory.free=80GiB", timeout=60)
+    assert rc == 0, text
+    assert result["params"] == 49_122_681_728 and result["tensors"] == 20_493
+    plans = result["plan"]
+    assert [p["rank"] for p in plans] == list(range(8)) and all(p["free"] == 80 * 2**30 for p in plans)
+    assert result["verdict"] == "admitted"
+    local = sum(p["local_bytes"] for p in plans)
+    # shards add up to one full copy (bf16, 2 more bytes per fp32-kept element) plus 7 more replicated copies
+    assert local == 2 * 49_122_681_728 + 2 * FP32_KEPT + 7 * plans[0]["replicated_bytes"]
+    assert "verdict: admitted" in text
+
+
+# Elements kept in fp32 whatever the compute dtype: A_log and dt_bias (20 KDA layers), router weight and bias (26).
+FP32_KEPT = 20 * (32 + 4096) + 26 * (256 * 2304 + 256)
+
+
+def test_help_and_cfg_show_the_config():
+    out = subprocess.run([sys.executable, "launch.py", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "reserve:" in out.stdout and "cap:" in out.stdout and "nproc:" in out.stdout
+    out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "model: kimi_linear_48b, twin_0_40b" in out.stdout
