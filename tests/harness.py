@@ -28,14 +28,36 @@ def bind(model_dir: str, dtype: str, batch: int, cap: int, router: str = "unbias
     return rt, cfg, store, model, DeviceHybridCache(cfg, rt.world, batch, cap, dt, rt.device)
 
 
-def teacher_forced(model_dir: str, dtype: str, prompt: list, forced: list, out: str, router: str = "unbiased"):
-    """Prefill logits for every prompt position, then one decode step per forced token; rank 0 saves them."""
-    rt, cfg, store, model, cache = bind(model_dir, dtype, len(prompt), len(prompt[0]) + len(forced[0]) + 1, router)
+def teacher_forced(
+    model_dir: str, dtype: str, prompt: list, forced: list | None, out: str, steps: int = 16, router: str = "unbiased"
+):
+    """Prefill logits for every prompt position, then one decode step per forced token (or, with `forced` None,
+    per greedy token of its own); rank 0 saves logits and tokens."""
+    rt, cfg, store, model, cache = bind(model_dir, dtype, len(prompt), len(prompt[0]) + steps + 1, router)
     prefill = model.forward(torch.tensor(prompt), cache, all_logits=True)
-    steps = [prefill[:, -1]]
-    for t in range(len(forced[0]) - 1):
-        steps.append(model.forward(torch.tensor(forced)[:, t : t + 1], cache))
+    logits, tokens = [prefill[:, -1]], []
+    for t in range(steps):
+        tokens.append(logits[-1].argmax(-1) if forced is None else torch.tensor(forced)[:, t])
+        if t < steps - 1:
+            logits.append(model.forward(tokens[-1][:, None], cache))
     if rt.rank == 0:
-        save_file({"prefill": prefill.float().contiguous(), "steps": torch.stack(steps, 1).float().contiguous()}, out)
+        save_file(
+            {
+                "prefill": prefill.float().contiguous(),
+                "steps": torch.stack(logits, 1).float().contiguous(),
+                "tokens": torch.stack(tokens, 1).contiguous(),
+            },
+            out,
+        )
     dist.shutdown()
     return rt.rank
+
+
+def sample(model_dir: str, prompt: list, max_new: int, temperature: float, top_p: float, seed: int, eos=None):
+    """Generate on every rank with the real engine; each rank returns the tokens it sampled."""
+    from k3dist.engine import Sampler, generate
+
+    rt, cfg, store, model, cache = bind(model_dir, "float32", len(prompt), len(prompt[0]) + max_new)
+    gen = generate(model, cache, torch.tensor(prompt), max_new, Sampler(temperature, top_p, seed, rt.device), eos)
+    dist.shutdown()
+    return gen.tokens

@@ -7,10 +7,30 @@ import pytest
 
 from .cli import ROOT, error_lines, run_cli
 
-FIELDS = {"world_size", "backend", "device", "dtype", "plan", "load_seconds", "tokens", "top_logits",
-          "prefill_seconds", "decode_tokens_per_second", "step_ms"}
-PLAN_FIELDS = {"source_bytes", "local_bytes", "replicated_bytes", "staging_peak", "derived_bytes", "cache_bytes",
-               "reserve", "admitted", "free"}
+FIELDS = {
+    "world_size",
+    "backend",
+    "device",
+    "dtype",
+    "plan",
+    "load_seconds",
+    "tokens",
+    "top_logits",
+    "prefill_seconds",
+    "decode_tokens_per_second",
+    "step_ms",
+}
+PLAN_FIELDS = {
+    "source_bytes",
+    "local_bytes",
+    "replicated_bytes",
+    "staging_peak",
+    "derived_bytes",
+    "cache_bytes",
+    "reserve",
+    "admitted",
+    "free",
+}
 
 
 def test_default_run_writes_twin_and_generates_32_tokens(k3_cache, tmp_path):
@@ -45,7 +65,8 @@ def test_every_way_of_starting_gives_the_same_tokens(fp32_runs):
     assert len(tokens["nproc1"][0]) == 32
     assert tokens["nproc1"] == tokens["nproc2"] == tokens["torchrun2"]
     assert fp32_runs["nproc2"][1]["plan"] == [
-        {**p, "free": fp32_runs["nproc2"][1]["plan"][i]["free"]} for i, p in enumerate(fp32_runs["torchrun2"][1]["plan"])
+        {**p, "free": fp32_runs["nproc2"][1]["plan"][i]["free"]}
+        for i, p in enumerate(fp32_runs["torchrun2"][1]["plan"])
     ]
     assert fp32_runs["torchrun2"][1]["world_size"] == 2
 
@@ -72,8 +93,9 @@ def test_bad_override_is_one_error_line(tmp_path):
 
 
 def test_what_if_plan_of_the_real_48b_model(tmp_path):
-    rc, text, result = run_cli(tmp_path, "model=kimi_linear_48b", "run.mode=plan", "dist.world_size=8",
-                               "memory.free=80GiB", timeout=60)
+    rc, text, result = run_cli(
+        tmp_path, "model=kimi_linear_48b", "run.mode=plan", "dist.world_size=8", "memory.free=80GiB", timeout=60
+    )
     assert rc == 0, text
     assert result["params"] == 49_122_681_728 and result["tensors"] == 20_493
     plans = result["plan"]
@@ -90,9 +112,9 @@ FP32_KEPT = 20 * (32 + 4096) + 26 * (256 * 2304 + 256)
 
 
 def test_help_and_cfg_show_the_config():
-    out = subprocess.run([sys.executable, "launch.py", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "launch.py", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "reserve:" in out.stdout and "cap:" in out.stdout and "nproc:" in out.stdout
-    out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "model: kimi_linear_48b, twin_0_40b" in out.stdout

@@ -7,6 +7,9 @@ largest logit error.
 """
 
 import functools
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,15 +65,17 @@ def hf_model(model_dir: str, dtype: torch.dtype):
 
 
 @functools.cache
-def reference(model_dir: str, prompt_len: int = 12, batch: int = 4):
-    """transformers fp32: greedy tokens (argmax of full forwards), then the logits over prompt + tokens."""
-    model = hf_model(model_dir, torch.float32)
-    seq = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        for _ in range(STEPS):
-            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
-        logits = model(seq).logits.float()
-    return seq[:, :prompt_len], seq[:, prompt_len:], logits
+def reference(model_dir: str, prompt_len: int = 12, batch: int = 2):
+    """k3dist's own greedy tokens at world size 1 (fp32), and transformers' fp32 logits teacher-forced on them.
+
+    If transformers' argmax equals each of those tokens, its own greedy run would produce exactly them too.
+    """
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(7))
+    out = Path(tempfile.mkdtemp()) / "k3-greedy.safetensors"
+    expect_ok(run_ranks(teacher_forced, 1, model_dir, "float32", prompt.tolist(), None, str(out), STEPS))
+    tokens = load_file(out)["tokens"]
+    return prompt, tokens, hf_logits(model_dir, torch.float32, prompt, tokens)
 
 
 def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
@@ -80,7 +85,9 @@ def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
 
 def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path):
     out = tmp_path / f"k3-{world}-{dtype}.safetensors"
-    expect_ok(run_ranks(teacher_forced, world, str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out)))
+    expect_ok(
+        run_ranks(teacher_forced, world, str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out), STEPS)
+    )
     got = load_file(out)
     return got["prefill"], got["steps"]
 
@@ -101,7 +108,8 @@ def check_fp32(model_dir, world, tmp_path):
     scale = ref.abs().max().item()
     assert (prefill - ref[:, :T]).abs().max().item() <= 1e-4 * scale
     assert (steps - ref[:, T - 1 : T - 1 + STEPS]).abs().max().item() <= 1e-4 * scale
-    assert torch.equal(steps.argmax(-1), tokens), "greedy tokens differ from transformers"
+    assert torch.equal(ref[:, T - 1 : T - 1 + STEPS].argmax(-1), tokens), "transformers' greedy tokens differ"
+    assert torch.equal(steps.argmax(-1), tokens), f"greedy tokens at world size {world} differ"
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
