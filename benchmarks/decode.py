@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,9 +88,23 @@ def peer_worker(model_dir: str, spec_path: str, json_out: str) -> None:
 # ---------------------------------------------------------------- the driver
 
 
+def run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session; on timeout kill its whole process group (spawned ranks included)."""
+    with subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cmd(cmd: list[str], timeout: float) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = run_group(cmd, timeout)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
@@ -108,6 +124,21 @@ def k3dist_generate(world: int, batch: int, args, out: Path) -> dict:
     ]
     wall = run_cmd(cmd, args.timeout)
     return json.loads(out.read_text()) | {"wall": wall}
+
+
+def short_error(exc: Exception) -> str:
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"timeout (> {exc.timeout:.0f} s)"
+    return "failed: " + str(exc).strip().splitlines()[-1][:80].replace("|", "/")
+
+
+def seeded_prompts(batch: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """The ids k3dist draws when generate.prompt is null (k3dist.job.prompts): the same draw, checked against it."""
+    import torch
+
+    vocab = json.loads(CONFIG.read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -146,7 +177,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--timeout", type=float, default=400, help="seconds allowed to each k3dist / transformers run")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds allowed to each k3dist run (peer: per batch)")
     ap.add_argument("--out-md", type=Path, default=RESULTS / "decode.md")
     ap.add_argument("--worker", choices=["peer"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -164,51 +195,64 @@ def main() -> None:
     load_before = os.getloadavg()
     started = time.perf_counter()
 
-    k3: dict[tuple[int, int], dict] = {}
+    k3: dict[tuple[int, int], dict] = {}  # a point that failed or timed out holds {"error": ...}
     for w in args.worlds:
         for b in args.batches:
-            k3[w, b] = k3dist_generate(w, b, args, tmp / f"k3-w{w}-b{b}.json")
-            r = k3[w, b]
+            load_avg = os.getloadavg()[0]
+            try:
+                r = k3dist_generate(w, b, args, tmp / f"k3-w{w}-b{b}.json")
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                k3[w, b] = {"error": short_error(exc), "load_avg": load_avg}
+                print(f"  k3dist world {w} batch {b}: FAILED {k3[w, b]['error']}", flush=True)
+                continue
+            if r["model_dir"] != str(twin):
+                raise RuntimeError(f"k3dist ran {r['model_dir']}, expected {twin}")
+            k3[w, b] = r | {"load_avg": load_avg}
             print(
                 f"  k3dist world {w} batch {b}: prefill {r['prefill_seconds']:.2f} s, "
                 f"decode {r['decode_tokens_per_second']:.2f} tok/s, wall {r['wall']:.1f} s",
                 flush=True,
             )
-            if r["model_dir"] != str(twin):
-                raise RuntimeError(f"k3dist ran {r['model_dir']}, expected {twin}")
     prompts = {}
     for b in args.batches:
-        seen = {json.dumps(k3[w, b]["prompt"]) for w in args.worlds}
-        if len(seen) != 1:
-            raise RuntimeError(f"k3dist used different prompts at batch {b} across world sizes")
-        prompts[str(b)] = k3[args.worlds[0], b]["prompt"]
+        expected = seeded_prompts(b, args.prompt_len)
+        for w in args.worlds:
+            if "prompt" in k3[w, b] and k3[w, b]["prompt"] != expected:
+                raise RuntimeError(f"k3dist world {w} batch {b} used other prompt ids than its seeded draw")
+        prompts[str(b)] = expected
 
     spec = tmp / "peer-spec.json"
     spec.write_text(json.dumps({"prompts": prompts, "max_new_tokens": args.max_new_tokens}))
     peer_out = tmp / "peer.json"
-    peer_wall = run_cmd(
-        [
-            sys.executable,
-            __file__,
-            "--worker",
-            "peer",
-            "--model-dir",
-            str(twin),
-            "--spec",
-            str(spec),
-            "--json-out",
-            str(peer_out),
-        ],
-        args.timeout * len(args.batches),
-    )
-    peer = json.loads(peer_out.read_text())
-    for b in args.batches:
-        p = peer["runs"][str(b)]
-        print(
-            f"  transformers batch {b}: prefill {p['prefill_seconds']:.2f} s, "
-            f"decode {p['decode_tokens_per_second']:.2f} tok/s",
-            flush=True,
+    peer_load_avg = os.getloadavg()[0]
+    try:
+        peer_wall = run_cmd(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "peer",
+                "--model-dir",
+                str(twin),
+                "--spec",
+                str(spec),
+                "--json-out",
+                str(peer_out),
+            ],
+            args.timeout * (1 + len(args.batches)),
         )
+        peer = json.loads(peer_out.read_text())
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        peer_wall, peer = float("nan"), {"threads": "?", "transformers": "?", "runs": {}, "error": short_error(exc)}
+        print(f"  transformers: FAILED {peer['error']}", flush=True)
+    for b in args.batches:
+        if str(b) in peer["runs"]:
+            p = peer["runs"][str(b)]
+            print(
+                f"  transformers batch {b}: prefill {p['prefill_seconds']:.2f} s, "
+                f"decode {p['decode_tokens_per_second']:.2f} tok/s",
+                flush=True,
+            )
 
     cpus = len(os.sched_getaffinity(0))
     header = [
@@ -223,12 +267,18 @@ def main() -> None:
         "prefill / peer",
         "tok/s / peer",
         "greedy = peer",
+        "load avg",
     ]
     rows = []
     for b in args.batches:
-        p = peer["runs"][str(b)]
+        p = peer["runs"].get(str(b))
         for w in args.worlds:
             r = k3[w, b]
+            if "error" in r:
+                rows.append(
+                    ["k3dist", str(w), str(max(1, cpus // w)), str(b), r["error"], *[""] * 6, f"{r['load_avg']:.1f}"]
+                )
+                continue
             rows.append(
                 [
                     "k3dist",
@@ -239,11 +289,15 @@ def main() -> None:
                     f"{r['decode_tokens_per_second']:.2f}",
                     f"{r['step_ms']['p50']:.0f}",
                     f"{r['step_ms']['p90']:.0f}",
-                    f"{r['prefill_seconds'] / p['prefill_seconds']:.2f}",
-                    f"{r['decode_tokens_per_second'] / p['decode_tokens_per_second']:.2f}",
-                    agreement(r["tokens"], p["tokens"]),
+                    f"{r['prefill_seconds'] / p['prefill_seconds']:.2f}" if p else "n/a",
+                    f"{r['decode_tokens_per_second'] / p['decode_tokens_per_second']:.2f}" if p else "n/a",
+                    agreement(r["tokens"], p["tokens"]) if p else "n/a",
+                    f"{r['load_avg']:.1f}",
                 ]
             )
+        if p is None:
+            rows.append(["transformers", "1", str(peer["threads"]), str(b), peer.get("error", "missing"), *[""] * 7])
+            continue
         rows.append(
             [
                 "transformers",
@@ -257,10 +311,11 @@ def main() -> None:
                 "1.00",
                 "1.00",
                 "",
+                f"{peer_load_avg:.1f}",
             ]
         )
-    inner = ", ".join(f"b{b} {peer['runs'][str(b)]['generate_prefill_seconds']:.2f} s" for b in args.batches)
-    walls = ", ".join(f"w{w} b{b} {r['wall']:.1f}" for (w, b), r in k3.items())
+    inner = ", ".join(f"b{b} {r['generate_prefill_seconds']:.2f} s" for b, r in peer["runs"].items()) or "n/a"
+    walls = ", ".join(f"w{w} b{b} {r['wall']:.1f}" for (w, b), r in k3.items() if "wall" in r)
     notes = [
         f"twin `{twin.name}`, bf16, prompt_len {args.prompt_len} (the seeded random ids k3dist draws, the same ids "
         f"fed to transformers), max_new_tokens {args.max_new_tokens}, greedy; one run per point.",
@@ -274,6 +329,8 @@ def main() -> None:
         "prefill below 1 and tok/s above 1 favour k3dist.",
         "`greedy = peer`: tokens equal before the first divergence from transformers, summed over sequences "
         "(bf16 on both sides, so late divergence on near-ties is expected).",
+        "`load avg`: the machine's 1-minute load average when the point started; above the core count, threads "
+        "of this benchmark wait for other work and times grow (a 2-thread process suffers most).",
         f"wall of each k3dist command, s: {walls}; transformers process (load + all batches): {peer_wall:.1f}.",
         f"machine: {cpus} CPUs, {platform.machine()}, python {platform.python_version()}, transformers "
         f"{peer['transformers']}, commit {git_rev()}; load average {load_before[0]:.2f} before, "
@@ -289,6 +346,7 @@ def main() -> None:
     args.out_md.parent.mkdir(parents=True, exist_ok=True)
     args.out_md.write_text(text)
     print(f"wrote {args.out_md}")
+    shutil.rmtree(tmp, ignore_errors=True)  # kept when the run fails, for its result.json files
 
 
 if __name__ == "__main__":

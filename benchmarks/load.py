@@ -20,6 +20,8 @@ import logging
 import os
 import platform
 import resource
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -214,9 +216,23 @@ def drop_page_cache(files: list[Path]) -> None:
             os.close(fd)
 
 
+def run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session; on timeout kill its whole process group (spawned ranks included)."""
+    with subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cmd(cmd: list[str], timeout: float) -> tuple[float, subprocess.CompletedProcess]:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = run_group(cmd, timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -431,6 +447,7 @@ def main() -> None:
     args.out_md.parent.mkdir(parents=True, exist_ok=True)
     args.out_md.write_text(text)
     print(f"wrote {args.out_md}")
+    shutil.rmtree(tmp, ignore_errors=True)  # kept when the run fails, for its result.json files
 
 
 if __name__ == "__main__":
