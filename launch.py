@@ -2,16 +2,20 @@
 
 Not under torchrun, `dist.nproc=N` > 1 starts the N ranks here through torch's elastic launcher. Rank 0 owns the
 Hydra run dir and writes result.json there (or to `out`); other ranks create no dir and write no `.hydra/`.
+`python launch.py -m ...` sweeps: one job per point, each starting its own ranks; a refused point does not end the
+sweep, and a summary of every point is written at the end (k3dist/sweep.py).
 """
 
 import logging
 import os
 import sys
 import uuid
+from functools import partial
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from k3dist.errors import K3Error
@@ -28,13 +32,11 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ)
 
 
-def spawn(job: dict, nproc: int) -> None:
-    """Start `nproc` ranks on this machine (torch elastic, spawn); a failed rank fails the job."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def launch_ranks(job: dict, nproc: int, entry) -> dict:
+    """Run `entry(job)` on `nproc` ranks started here (torch elastic, spawn); returns each rank's return value."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from k3dist.dist import free_port
-    from k3dist.job import rank_entry
 
     for name in list(logging.root.manager.loggerDict):  # the agent's own logs would bury the `error:` lines
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
@@ -50,22 +52,65 @@ def spawn(job: dict, nproc: int) -> None:
         monitor_interval=0.1,
         start_method="spawn",
     )
+    return elastic_launch(config, entry)(job)
+
+
+def unreported(exc) -> str | None:
+    """Why ranks failed without printing their own `error:` line (killed, crashed), or None if each printed it."""
+    odd = {r: f.exitcode for r, f in exc.failures.items() if f.exitcode != 1}
+    return f"ranks {sorted(odd)} died (exit codes {odd}); every rank was stopped" if odd else None
+
+
+def spawn(job: dict, nproc: int) -> None:
+    """A single run on `nproc` ranks started here; a failed rank fails the job."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from k3dist.job import rank_entry
+
     try:
-        elastic_launch(config, rank_entry)(job)
+        launch_ranks(job, nproc, rank_entry)
     except ChildFailedError as exc:
-        odd = {r: f.exitcode for r, f in exc.failures.items() if f.exitcode != 1}
-        if odd:  # ranks that did not print their own error line (killed, crashed)
-            raise K3Error(f"ranks {sorted(odd)} died (exit codes {odd}); every rank was stopped") from None
+        if unreported(exc):
+            raise K3Error(unreported(exc)) from None
         sys.exit(1)
+
+
+def sweep_point(job: dict) -> None:
+    """One point of a sweep (`-m`). Its ranks run in processes of their own even for dist.nproc=1, so a failure,
+    peak memory or process group never leaks into the next point; a refusal or error is recorded in the job dir
+    (k3dist/sweep.py) and the sweep goes on."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from k3dist.sweep import point_rank, write_point
+
+    if under_torchrun():
+        raise K3Error("a sweep (-m) starts each point's ranks itself: run python launch.py -m ... dist.nproc=N")
+    hc = HydraConfig.get()
+    record = partial(write_point, Path(hc.runtime.output_dir), hc.job.num, list(hc.overrides.task), job["out"])
+    try:
+        peaks = launch_ranks(job, int(job["dist"]["nproc"]), point_rank)
+    except ChildFailedError as exc:
+        error = unreported(exc)
+        if error:
+            print(K3Error(error).line, file=sys.stderr)
+        else:  # every rank printed its error line; point_rank also left it in torch elastic's error file
+            message = exc.get_first_failure()[1].message
+            error = (message["message"] if isinstance(message, dict) else message).removeprefix("K3Error: ")
+        record(error=error)
+    else:
+        record(peaks=[peaks[rank] for rank in sorted(peaks)])
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     job = OmegaConf.to_container(cfg, resolve=True)
+    hc = HydraConfig.get()
     if job.get("out") is None:
-        job["out"] = str(Path(HydraConfig.get().runtime.output_dir) / "result.json")
+        job["out"] = str(Path(hc.runtime.output_dir) / "result.json")
     try:
-        if under_torchrun() or job["dist"]["nproc"] == 1:
+        if hc.mode == RunMode.MULTIRUN:
+            sweep_point(job)
+        elif under_torchrun() or job["dist"]["nproc"] == 1:
             from torch.distributed.elastic.multiprocessing.errors import record
 
             from k3dist.job import run_rank

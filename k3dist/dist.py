@@ -3,9 +3,11 @@
 Control traffic (plans, fingerprints, statuses) goes over gloo as JSON bytes, never pickled objects.
 """
 
+import itertools
 import json
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -115,15 +117,68 @@ def exchange(obj: dict, rt: Runtime) -> list[dict]:
     return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes, strict=True)]
 
 
-def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
-    """Every rank reports its status for `stage`; if any failed, every rank raises the same error naming them."""
+_agreements = itertools.count(1)  # every rank enters the same agreements in the same order, also across re-inits
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def arrive(rt: Runtime) -> str:
+    """Mark this rank as arrived at its next agreement in the rendezvous store; returns the agreement's key.
+
+    The store is not the collectives' transport, so after a collective failed it still tells which ranks never
+    arrived (killed, crashed or stuck). Under torchrun and launch.py the elastic agent hosts it, so it outlives any
+    rank; under a plain env:// start rank 0 hosts it.
+    """
+    key = f"k3dist/agree/{next(_agreements)}"
+    _store().set(f"{key}/{rt.rank}", str(rt.rank))
+    return key
+
+
+def missing(key: str | None, rt: Runtime) -> list[int] | None:
+    """Ranks that never arrived at agreement `key`; None when the store cannot tell."""
+    if key is None:
+        return None
     try:
+        store = _store()
+        return [r for r in range(rt.world) if not store.check([f"{key}/{r}"])]
+    except RuntimeError:  # the store went with its host
+        return None
+
+
+def lost(stage: str, key: str | None, exc: Exception, rt: Runtime) -> K3Error:
+    """The error for a collective that failed under us, naming the ranks that never arrived when the store knows."""
+    gone = missing(key, rt)
+    if gone:
+        who = f"lost rank{'s' * (len(gone) > 1)} {', '.join(map(str, gone))}"
+        how = "never reached this agreement: killed, crashed or stuck past"
+    else:
+        who = "lost contact with peer ranks"
+        how = "the rendezvous store is unreachable too;" if gone is None else "every rank reached this agreement;"
+        how += " waited up to"
+    return K3Error(f"rank {rt.rank}: {stage}: {who} ({how} dist.timeout_s={rt.timeout_s:g}; {_cause(exc)})")
+
+
+def _cause(exc: Exception) -> str:
+    """The first sentence of a backend error, without gloo's source location."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0][:200] or type(exc).__name__
+
+
+def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
+    """Every rank reports its status for `stage`; if any failed, every rank raises the same error naming them.
+
+    If the exchange itself fails (a peer died or hung past dist.timeout_s), every surviving rank raises naming the
+    ranks that never arrived.
+    """
+    key = None
+    try:
+        if rt.world > 1:
+            key = arrive(rt)
         statuses = exchange({"rank": rt.rank, "error": error, **facts}, rt)
-    except (RuntimeError, dist.DistBackendError) as exc:
-        raise K3Error(
-            f"rank {rt.rank}: {stage}: lost contact with peer ranks within dist.timeout_s="
-            f"{rt.timeout_s:g} ({str(exc).splitlines()[0][:200]})"
-        ) from None
+    except RuntimeError as exc:  # gloo's DistBackendError and connection errors, the store's DistNetworkError
+        raise lost(stage, key, exc, rt) from None
     failed = [s for s in statuses if s["error"]]
     if failed:
         raise K3Error(

@@ -5,6 +5,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .errors import K3Error
 
 
@@ -13,9 +15,11 @@ class Faults:
     rank: int | None = None  # the rank that misbehaves (None: no fault)
     free: int | None = None  # free bytes that rank reports to the preflight
     alloc_fail_at: int | None = None  # the Nth tensor's allocation fails (0-based)
+    oom_at: int | None = None  # the device runs out of memory at the Nth tensor (torch.OutOfMemoryError)
     raise_at: int | None = None  # the rank raises a plain exception at the Nth tensor
     kill_at: int | None = None  # the rank SIGKILLs itself at the Nth tensor
     hang_at: int | None = None  # the rank stops responding at the Nth tensor
+    delay_s: float | None = None  # the fault waits this long first, so peers already wait on the rank in the agreement
 
     def mine(self, rank: int) -> bool:
         return self.rank is not None and self.rank == rank
@@ -24,8 +28,12 @@ class Faults:
         """Called by the loader before allocating tensor `index` on `rank`."""
         if not self.mine(rank):
             return
+        if self.delay_s and index in (self.alloc_fail_at, self.oom_at, self.raise_at, self.kill_at, self.hang_at):
+            time.sleep(self.delay_s)
         if index == self.alloc_fail_at:
             raise K3Error(f"rank {rank}: allocation failed for tensor {name} (injected by fault.alloc_fail_at)")
+        if index == self.oom_at:
+            raise torch.OutOfMemoryError(f"injected out of memory at tensor {name} (fault.oom_at={index})")
         if index == self.raise_at:
             raise RuntimeError(f"injected failure at tensor {name} (fault.raise_at={index})")
         if index == self.kill_at:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from . import dist
 from .cache import DeviceHybridCache
@@ -51,6 +51,8 @@ def staged(stage: str, rt: dist.Runtime, fn):
         value = fn()
     except K3Error as exc:
         error = str(exc) if str(exc).startswith("rank ") else f"rank {rt.rank}: {exc}"
+    except Exception as exc:  # a bug or I/O fault on this rank: peers must hear of it now, not at their timeout
+        error = f"rank {rt.rank}: {stage} failed: {type(exc).__name__}: {exc}"
     dist.agree(stage, error, rt)
     return value
 
@@ -169,6 +171,7 @@ def exit_with_error(exc: K3Error) -> NoReturn:
 
     `os._exit` skips interpreter teardown: destroying process groups whose peers may be gone can block or abort.
     """
+    ErrorHandler().record_exception(exc)  # torch elastic's error file: torchrun's root cause, a sweep's record
     sys.stderr.flush()
     os.write(2, (exc.line + "\n").encode())  # one write: ranks sharing a terminal never interleave lines
     rt = dist.current()

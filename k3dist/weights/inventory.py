@@ -83,7 +83,7 @@ def _index_map(model_dir: Path) -> dict[str, str] | None:
     return wm
 
 
-def _header_digest(path: Path, digest) -> None:
+def header_digest(path: Path, digest) -> None:
     """Feed the raw header (length prefix + JSON) to the fingerprint; safetensors already validated it."""
     with open(path, "rb") as f:
         head = f.read(8)
@@ -174,7 +174,7 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
             raise K3Error(f"{path}: not a valid safetensors file: {_header_problem(path, size) or exc}") from None
         except OSError as exc:
             raise K3Error(f"{path}: cannot read ({exc})") from None
-        _header_digest(path, digest)
+        header_digest(path, digest)
     _check(model_dir, cfg, found, index)
     ordered = {n: found[n] for n in expected_tensors(cfg)}
     return Inventory(model_dir, tuple(files), ordered, digest.hexdigest(), total)

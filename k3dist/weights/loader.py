@@ -5,6 +5,7 @@ every rank raise with the names of the ranks that failed, so no rank waits on a 
 """
 
 import gc
+import hashlib
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from ..dist import Runtime, agree
 from ..errors import K3Error
 from ..faults import Faults
 from ..units import fmt_bytes
-from .inventory import Inventory
+from .inventory import Inventory, header_digest
 from .memory import MemoryPlan, detect_free, memory_plan
 from .tp_plan import TORCH_DTYPES, ShardPlan, copy_shard, plan_rank, store_shapes
 
@@ -66,20 +67,38 @@ def preflight(
         rt,
         plan=mp.as_dict(),
         fingerprint=inv.fingerprint,
-        files=list(inv.files),
     )
-    head = statuses[0]
-    odd = [s for s in statuses if s["fingerprint"] != head["fingerprint"]]
-    if odd:
-        raise K3Error(
-            "agreement failed: "
-            + "; ".join(
-                f"rank {s['rank']} sees a different checkpoint than rank 0 (header fingerprint {s['fingerprint'][:12]} "
-                f"vs {head['fingerprint'][:12]}, files {s['files']} vs {head['files']})"
-                for s in odd
-            )
-        )
+    if any(st["fingerprint"] != statuses[0]["fingerprint"] for st in statuses):
+        raise _disagreement(inv, rt, statuses)
     return plans, [s["plan"] for s in statuses]
+
+
+def _disagreement(inv: Inventory, rt: Runtime, statuses: list[dict]) -> K3Error:
+    """Every rank saw the same mismatched fingerprints, so all compare per-file headers and raise one error."""
+    headers = {}
+    for name in inv.files:
+        path = Path(inv.model_dir) / name
+        digest = hashlib.sha256(f"{name}:{path.stat().st_size}:".encode())  # what the fingerprint hashes per file
+        header_digest(path, digest)
+        headers[name] = digest.hexdigest()[:12]
+    seen = agree("checkpoint comparison", None, rt, headers=headers)
+    fingerprint, head, problems = statuses[0]["fingerprint"], seen[0]["headers"], []
+    for st, other in zip(statuses, seen, strict=True):
+        if st["fingerprint"] == fingerprint:
+            continue
+        theirs, why = other["headers"], []
+        if set(theirs) != set(head):
+            why.append(
+                f"files only on rank {st['rank']}: {sorted(set(theirs) - set(head))[:5]}, "
+                f"only on rank 0: {sorted(set(head) - set(theirs))[:5]}"
+            )
+        changed = sorted(f for f in set(theirs) & set(head) if theirs[f] != head[f])
+        why += [f"{f} has header {theirs[f]} vs {head[f]}" for f in changed[:5]]
+        problems.append(
+            f"rank {st['rank']} sees a different checkpoint than rank 0 "
+            f"(header fingerprint {st['fingerprint'][:12]} vs {fingerprint[:12]}: {'; '.join(why)})"
+        )
+    return K3Error(f"preflight: {'; '.join(problems)}; every rank must load the same checkpoint", agreed=True)
 
 
 class _Upload:
@@ -131,13 +150,14 @@ def upload(inv: Inventory, plans: list[ShardPlan], rt: Runtime, faults: Faults) 
         disable=not rt.is_main or None,
         leave=False,
     )
-    uploaded = 0
+    uploaded, current = 0, "before the first tensor"
     try:
         for file, items in by_file.items():
             path = Path(inv.model_dir) / file
             start, nbytes = time.perf_counter(), 0
             with safe_open(path, framework="pt") as handle:
                 for i, p in items:
+                    current = f"at tensor {p.name} of {path}"
                     faults.at_tensor(rt.rank, i, p.name)
                     piece = copy_shard(handle, p)
                     if piece.dtype != TORCH_DTYPES[p.src_dtype] or tuple(piece.shape) != p.local_shape:
@@ -170,9 +190,11 @@ def upload(inv: Inventory, plans: list[ShardPlan], rt: Runtime, faults: Faults) 
         log.warning("k3_weight_cleanup rank=%d freed=%d live=%d", rt.rank, freed, live)
         if isinstance(exc, torch.OutOfMemoryError):
             raise K3Error(
-                f"rank {rt.rank}: out of device memory during upload after {fmt_bytes(uploaded)} of "
+                f"rank {rt.rank}: out of device memory {current} after uploading {fmt_bytes(uploaded)} of "
                 f"{fmt_bytes(total)}: the reserve is exhausted (raise memory.reserve)"
             ) from None
+        if isinstance(exc, Exception) and not isinstance(exc, K3Error):  # a bug or I/O fault: say where it hit
+            raise K3Error(f"rank {rt.rank}: upload failed {current}: {type(exc).__name__}: {exc}") from exc
         raise
     bar.close()
     return up.tensors
