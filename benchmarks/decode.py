@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common import git_rev, md_table  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
+
 CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -154,21 +156,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
         k = next((i for i in range(n) if x[i] != y[i]), n)
         same, total = same + k, total + max(len(x), len(y))
     return f"{same}/{total}"
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except OSError:
-        return "?"
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main() -> None:
