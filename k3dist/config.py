@@ -115,8 +115,14 @@ def _layer_mixers(raw: dict, n: int, source: str) -> list[str]:
 
 
 def _layer_mlps(raw: dict, n: int, num_experts: int, source: str) -> list[str]:
+    """An explicit `mlp_layer_types` (transformers 5.x writes it) wins; otherwise the HF remote code's rule.
+
+    The two differ only for moe_layer_freq > 1, which transformers ignores when it derives the list itself.
+    """
     types = raw.get("mlp_layer_types")
-    if isinstance(types, list) and "first_k_dense_replace" not in raw:
+    if types is not None:
+        if not isinstance(types, list):
+            raise K3Error(f"{source}: mlp_layer_types must be a list")
         if len(types) != n or not all(t in ("dense", "sparse") for t in types):
             raise K3Error(f"{source}: mlp_layer_types must list 'dense'/'sparse' for each of the {n} layers")
         return ["moe" if t == "sparse" else "dense" for t in types]

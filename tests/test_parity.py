@@ -80,7 +80,7 @@ def reference(model_dir: str, prompt_len: int = 12, batch: int = 2):
 
 def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
     with torch.no_grad():
-        return hf_model(model_dir, dtype)(torch.cat([prompt, tokens], 1)).logits.float()
+        return hf_model(model_dir, dtype)(torch.cat([prompt, tokens], 1), use_cache=False).logits.float()
 
 
 def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path):
@@ -136,3 +136,22 @@ def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, tmp_path):
     err_mine = (mine - target).abs().amax(-1).mean().item()
     err_theirs = (theirs - target).abs().amax(-1).mean().item()
     assert err_mine <= 1.5 * err_theirs, (err_mine, err_theirs)
+
+
+@pytest.fixture(scope="module")
+def saved_by_transformers(tmp_path_factory):
+    """A checkpoint transformers itself wrote (save_pretrained): its names, its config.json (with mlp_layer_types,
+    which for moe_layer_freq=2 says MoE everywhere after the dense prefix), the dense MLP under block_sparse_moe."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    raw = small_config(moe_layer_freq=2)
+    torch.manual_seed(0)
+    model = KimiLinearForCausalLM(KimiLinearConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+    out = tmp_path_factory.mktemp("hf-saved")
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoint_written_by_transformers_matches(saved_by_transformers, world, tmp_path):
+    check_fp32(saved_by_transformers, world, tmp_path)
