@@ -117,18 +117,13 @@ def plan_rank(tensors, world: int, rank: int, compute_dtype: torch.dtype) -> lis
 
 def store_shapes(plans: list[ShardPlan]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Weight-store key -> (local shape, dtype); stacked expert buffers get a leading expert dimension."""
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    slots: dict[str, int] = {}
+    experts: dict[str, int] = {}
     for p in plans:
-        if p.slot is None:
-            out[p.dest] = (p.local_shape, p.dtype)
-        else:
-            slots[p.dest] = max(slots.get(p.dest, 0), p.slot + 1)
-            out[p.dest] = (p.local_shape, p.dtype)
-    for dest, n in slots.items():
-        shape, dtype = out[dest]
-        out[dest] = ((n, *shape), dtype)
-    return out
+        if p.slot is not None:
+            experts[p.dest] = max(experts.get(p.dest, 0), p.slot + 1)
+    return {
+        p.dest: ((experts[p.dest], *p.local_shape) if p.slot is not None else p.local_shape, p.dtype) for p in plans
+    }
 
 
 def copy_shard(handle, plan: ShardPlan) -> torch.Tensor:
