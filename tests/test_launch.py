@@ -150,3 +150,33 @@ def test_help_and_cfg_show_the_config():
     assert out.returncode == 0 and "reserve:" in out.stdout and "cap:" in out.stdout and "nproc:" in out.stdout
     out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "model: kimi_linear_48b, twin_0_40b" in out.stdout
+
+
+def test_what_if_plan_from_a_sparse_checkpoint_equals_the_config_plan(tmp_path):
+    sparse = tmp_path / "sparse48b"
+    done = subprocess.run(
+        [sys.executable, "-m", "k3dist.weights.sparse", str(sparse)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    files = list(sparse.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in files) > 98e9  # the real layout's apparent size...
+    assert sum(f.stat().st_blocks * 512 for f in files) < 64 * 2**20  # ...with the data left as holes
+    plans = {}
+    for name, extra in [("config", []), ("sparse", [f"model.path={sparse}"])]:
+        rc, text, result = run_cli(
+            tmp_path / name,
+            "model=kimi_linear_48b",
+            "run.mode=plan",
+            "dist.world_size=4",
+            "memory.free=80GiB",
+            *extra,
+            timeout=90,
+        )
+        assert rc == 0, text
+        plans[name] = result
+    assert plans["sparse"]["plan"] == plans["config"]["plan"]
+    assert plans["sparse"]["params"] == 49_122_681_728 and plans["sparse"]["tensors"] == 20_493

@@ -46,35 +46,41 @@ def init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: fl
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def write_checkpoint(
-    raw_config: dict, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 200 * 2**20
-) -> Path:
-    """Write config.json, `model-0000i-of-0000n.safetensors` shards and the index into `out_dir`."""
-    cfg = parse_config(raw_config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch_dtype = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(seed)
+def shard_layout(schema: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> dict[str, list[str]]:
+    """File name -> tensor names, in schema order, each file up to `shard_bytes` (HF's model-0000i-of-0000n)."""
     shards: list[list[str]] = [[]]
     size = 0
-    schema = expected_tensors(cfg)
     for name, shape in schema.items():
-        nbytes = math.prod(shape) * torch_dtype.itemsize
+        nbytes = math.prod(shape) * itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += nbytes
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: init_tensor(n, schema[n], gen).to(torch_dtype) for n in names}
-        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(names, file)
-        del tensors
-    total = sum(math.prod(s) * torch_dtype.itemsize for s in schema.values())
+    return {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
+
+
+def write_index(out_dir: Path, raw_config: dict, layout: dict[str, list[str]], total: int, dtype: str) -> None:
+    weight_map = {name: file for file, names in layout.items() for name in names}
     (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out_dir / "config.json").write_text(json.dumps(raw_config | {"dtype": dtype}, indent=2))
+
+
+def write_checkpoint(
+    raw_config: dict, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 200 * 2**20
+) -> Path:
+    """Write config.json, `model-0000i-of-0000n.safetensors` shards and the index into `out_dir`."""
+    schema = expected_tensors(parse_config(raw_config))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    layout = shard_layout(schema, torch_dtype.itemsize, shard_bytes)
+    for file, names in layout.items():
+        tensors = {n: init_tensor(n, schema[n], gen).to(torch_dtype) for n in names}
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        del tensors
+    write_index(out_dir, raw_config, layout, sum(math.prod(s) for s in schema.values()) * torch_dtype.itemsize, dtype)
     return out_dir
 
 
