@@ -25,7 +25,7 @@ from .settings import Settings, parse
 from .summary import print_summary
 from .weights.inventory import inside, scan
 from .weights.loader import load_weights
-from .weights.memory import cache_bytes, detect_free
+from .weights.memory import cache_bytes, detect_free, peak_bytes
 from .weights.schema import expected_tensors
 from .weights.twin import ensure_twin
 from .weights.whatif import plan_world
@@ -86,6 +86,7 @@ def run_rank(job: dict) -> dict | None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
     result = plan_only(s, rt) if s.mode == "plan" else load_and_generate(s, rt)
     if rt.is_main:
+        result["peak_bytes"] = peak_bytes(rt.device)  # rank 0's peak (RSS on CPU, allocation on CUDA)
         write_result(result, s.out)
         print_summary(result)
     dist.shutdown()  # only on success: tearing down a group whose peer failed can block; exiting frees it all

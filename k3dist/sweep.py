@@ -11,11 +11,9 @@ import csv
 import io
 import json
 import re
-import resource
 import time
 from pathlib import Path
 
-import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -24,6 +22,7 @@ from . import dist
 from .errors import K3Error
 from .job import exit_with_error, run_rank
 from .units import fmt_bytes, parse_bytes
+from .weights.memory import peak_bytes
 
 POINT = "point.json"
 # How a preflight refusal names each rank that does not fit (weights/memory.py, MemoryPlan.refusal).
@@ -40,12 +39,6 @@ def point_rank(job: dict) -> int:
     except K3Error as exc:
         exit_with_error(exc)
     return peak_bytes(dist.current().device)
-
-
-def peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def write_point(

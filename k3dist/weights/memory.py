@@ -1,6 +1,7 @@
 """Per-rank memory plan (the figures of DESIGN.md) and free-memory detection (CUDA, or cgroup-aware host RAM)."""
 
 import os
+import resource
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,3 +102,10 @@ def detect_free(device: torch.device, local_world: int = 1) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return host_available() // max(local_world, 1)
+
+
+def peak_bytes(device: torch.device) -> int:
+    """This process's peak: torch's peak allocation on CUDA, the peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
