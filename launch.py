@@ -15,10 +15,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from k3dist.errors import K3Error
+from k3dist.settings import parse
 
 QUIET_RANK_OVERRIDES = [
     "hydra.output_subdir=null",
@@ -108,16 +111,17 @@ def main(cfg: DictConfig) -> None:
     if job.get("out") is None:
         job["out"] = str(Path(hc.runtime.output_dir) / "result.json")
     try:
+        nproc = parse(job).nproc  # every override checked here: a bad value is one `error:` line
         if hc.mode == RunMode.MULTIRUN:
             sweep_point(job)
-        elif under_torchrun() or job["dist"]["nproc"] == 1:
+        elif under_torchrun() or nproc == 1:
             from torch.distributed.elastic.multiprocessing.errors import record
 
             from k3dist.job import run_rank
 
             record(run_rank)(job)
         else:
-            spawn(job, int(job["dist"]["nproc"]))
+            spawn(job, nproc)
     except K3Error as exc:
         from k3dist.job import exit_with_error
 
@@ -127,4 +131,9 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
         sys.argv += QUIET_RANK_OVERRIDES
-    main()
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing: composition errors below
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as exc:  # unknown key, group option or bad override syntax
+        print(K3Error(f"bad config or override: {exc}").line, file=sys.stderr)
+        sys.exit(1)

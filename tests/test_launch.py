@@ -123,6 +123,14 @@ def test_bad_override_is_one_error_line(tmp_path):
     assert rc != 0 and error_lines(text) == [
         "error: memory.reserve='lots' is not a byte size (use an int or e.g. 512MiB, 2GiB, 1GB)"
     ]
+    for override, says in [
+        ("dist.nproc=two", "dist.nproc='two' must be an integer >= 1"),
+        ("memroy.reserve=1GiB", "Could not override 'memroy.reserve'"),
+        ("model=nope", "Could not find 'model/nope'"),
+    ]:
+        rc, text, _ = run_cli(tmp_path, override)
+        lines = error_lines(text)
+        assert rc != 0 and len(lines) == 1 and says in lines[0] and "Traceback" not in text, text
 
 
 def test_what_if_plan_of_the_real_48b_model(tmp_path):
