@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import git_rev, md_table  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
+from common import git_rev, md_table, publish  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
 
 CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -327,12 +327,7 @@ def main() -> None:
         f"## Decode: k3dist vs transformers generate ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
         f"{md_table(header, rows)}\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     )
-    print()
-    print(text)
-    print(f"(benchmark took {time.perf_counter() - started:.0f} s)")
-    args.out_md.parent.mkdir(parents=True, exist_ok=True)
-    args.out_md.write_text(text)
-    print(f"wrote {args.out_md}")
+    publish(text, args.out_md, started)
     shutil.rmtree(tmp, ignore_errors=True)  # kept when the run fails, for its result.json files
 
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import git_rev, md_table  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
+from common import git_rev, md_table, publish  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
 
 CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -106,18 +106,13 @@ def watch_load() -> dict:
 
 def _rank_child(rank: int, world: int, port: int, job: dict, results) -> None:
     """One rank: torchrun's environment, `run_rank`, then its own peak RSS."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
     try:
         import torch  # noqa: F401  (counted in the baseline, as in any rank)
 
+        from k3dist.dist import torchrun_env
         from k3dist.job import run_rank
+
+        os.environ.update(torchrun_env(rank, world, port))
 
         quiet = logging.StreamHandler(sys.stderr)  # run_rank keeps a handler it finds: events below WARNING drop
         quiet.setLevel(logging.WARNING)
@@ -428,12 +423,7 @@ def main() -> None:
         f"## Load: k3dist vs transformers ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}\n\n"
         f"Plan figures per rank:\n\n{plan_table}\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     )
-    print()
-    print(text)
-    print(f"(benchmark took {time.perf_counter() - started:.0f} s)")
-    args.out_md.parent.mkdir(parents=True, exist_ok=True)
-    args.out_md.write_text(text)
-    print(f"wrote {args.out_md}")
+    publish(text, args.out_md, started)
     shutil.rmtree(tmp, ignore_errors=True)  # kept when the run fails, for its result.json files
 
 

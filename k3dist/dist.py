@@ -42,17 +42,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives one rank of a single-node job (for processes started without it)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) -> Runtime:
     """Join the job torchrun (or launch.py) described in the environment; a lone process is a world of one."""
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
+        os.environ.update(torchrun_env(0, 1, free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -106,7 +111,7 @@ def exchange(obj: dict, rt: Runtime) -> list[dict]:
     """All-gather one JSON object per rank over the control group."""
     if rt.world == 1:
         return [json.loads(json.dumps(obj))]
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(rt.world)]
     dist.all_gather(sizes, torch.tensor([data.numel()]), group=rt.ctrl)
     longest = int(max(s.item() for s in sizes))
@@ -114,7 +119,7 @@ def exchange(obj: dict, rt: Runtime) -> list[dict]:
     padded[: data.numel()] = data
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(rt.world)]
     dist.all_gather(out, padded, group=rt.ctrl)
-    return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes, strict=True)]
+    return [json.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes, strict=True)]
 
 
 _agreements = itertools.count(1)  # every rank enters the same agreements in the same order, also across re-inits

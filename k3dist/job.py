@@ -136,7 +136,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     model_dir = s.model_path or str(ensure_twin(s.config_file, s.twin_seed, cfg.dtype))
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
     cache = cache_bytes(cfg, s.batch, s.cap, rt.world, dtype)
-    store = load_weights(cfg, inv, rt, dtype, cache, s.reserve, s.free, s.faults)
+    store = load_weights(inv, rt, dtype, cache, s.reserve, s.free, s.faults)
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.mode,
         "model_dir": str(model_dir),

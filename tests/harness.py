@@ -23,7 +23,7 @@ def bind(model_dir: str, dtype: str, batch: int, cap: int, router: str = "unbias
     validate_topology(cfg, rt.world)
     inv = scan(model_dir, cfg)
     dt = DTYPES[dtype]
-    store = load_weights(cfg, inv, rt, dt, cache_bytes(cfg, batch, cap, rt.world, dt), 0)
+    store = load_weights(inv, rt, dt, cache_bytes(cfg, batch, cap, rt.world, dt), 0)
     model = K3Model(cfg, store.tensors, TPComm(rt.world, rt.rank, cfg.vocab_size), router)
     return rt, cfg, store, model, DeviceHybridCache(cfg, rt.world, batch, cap, dt, rt.device)
 

@@ -6,19 +6,11 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from k3dist.dist import free_port
+from k3dist.dist import free_port, torchrun_env
 
 
 def _child(fn, rank, world, port, results, args, env):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **env,
-    )
+    os.environ.update(torchrun_env(rank, world, port), **env)
     try:
         results.put((rank, True, fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent

@@ -74,7 +74,7 @@ def _load_each(dirs_by_variant: dict[str, list[str]]) -> dict[str, dict]:
         model_dir = dirs[rt.rank]
         cfg = load_config(model_dir)
         try:
-            load_weights(cfg, scan(model_dir, cfg), rt, torch.float32, 0, 0)
+            load_weights(scan(model_dir, cfg), rt, torch.float32, 0, 0)
             out[variant] = {"error": None}
         except K3Error as exc:
             out[variant] = {"error": str(exc), "agreed": exc.agreed}
@@ -156,7 +156,7 @@ def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
         census = _weight_objects if rank == rt.rank else lambda: None
         before = census()
         try:
-            load_weights(cfg, inv, rt, torch.float32, 0, 0, faults=Faults(rank=rank, **{kind: index}))
+            load_weights(inv, rt, torch.float32, 0, 0, faults=Faults(rank=rank, **{kind: index}))
             error = None
         except K3Error as exc:
             error = str(exc)

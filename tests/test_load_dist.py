@@ -26,7 +26,7 @@ def _check_shards(model_dir: str) -> int:
     rt = dist.init("gloo", "cpu", 60)
     cfg = load_config(model_dir)
     inv = scan(model_dir, cfg)
-    store = load_weights(cfg, inv, rt, torch.float32, 0, 0)
+    store = load_weights(inv, rt, torch.float32, 0, 0)
     full = {}
     for file in inv.files:
         full |= load_file(f"{model_dir}/{file}")

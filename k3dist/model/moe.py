@@ -41,8 +41,9 @@ class MoE:
     def __call__(self, x: Tensor) -> Tensor:
         """x: [..., D] normed, any float dtype: the router reads it as fp32, the experts in the weights' dtype."""
         shape = x.shape
-        ids, weights = self.route(x.reshape(-1, shape[-1]))
-        x = x.reshape(-1, shape[-1]).to(self.w1.dtype)
+        flat = x.reshape(-1, shape[-1])
+        ids, weights = self.route(flat)
+        x = flat.to(self.w1.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)

@@ -50,7 +50,7 @@ class K3Model:
             if self.embed.shape[0]
             else torch.zeros(*tokens.shape, self.cfg.hidden_size, dtype=self.embed.dtype, device=tokens.device)
         )
-        return self.comm.all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+        return self.comm.all_reduce(h.float() * mine.unsqueeze(-1))  # fp32, like every other reduction
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: DeviceHybridCache, all_logits: bool = False) -> Tensor:

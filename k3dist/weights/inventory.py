@@ -43,8 +43,13 @@ class Inventory:
     model_dir: Path
     files: tuple[str, ...]
     entries: dict[str, TensorEntry]
-    fingerprint: str
+    file_digests: dict[str, str]  # file -> sha256 of its name, size and raw header
     file_bytes: int
+
+    @property
+    def fingerprint(self) -> str:
+        """One digest of every file's header, exchanged in the agreement to catch ranks seeing other checkpoints."""
+        return hashlib.sha256(json.dumps(self.file_digests, sort_keys=True).encode()).hexdigest()
 
     def plan_inputs(self):
         return [e.as_plan_input() for e in self.entries.values()]
@@ -83,12 +88,14 @@ def _index_map(model_dir: Path) -> dict[str, str] | None:
     return wm
 
 
-def header_digest(path: Path, digest) -> None:
-    """Feed the raw header (length prefix + JSON) to the fingerprint; safetensors already validated it."""
+def header_digest(path: Path, size: int) -> str:
+    """sha256 of the file's name, size and raw header (length prefix + JSON); safetensors already validated it."""
+    digest = hashlib.sha256(f"{path.name}:{size}:".encode())
     with open(path, "rb") as f:
         head = f.read(8)
         digest.update(head)
         digest.update(f.read(int.from_bytes(head, "little")))
+    return digest.hexdigest()
 
 
 def _header_problem(path: Path, size: int) -> str | None:
@@ -155,13 +162,12 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
     if not files:
         raise K3Error(f"{model_dir}: no *.safetensors files")
     found: dict[str, TensorEntry] = {}
-    digest = hashlib.sha256()
+    digests: dict[str, str] = {}
     total = 0
     for name in files:
         path = inside(model_dir, name, "the weight_map" if index is not None else "a checkpoint file")
         size = path.stat().st_size
         total += size
-        digest.update(f"{name}:{size}:".encode())
         try:
             with safe_open(path, framework="pt") as handle:
                 for key in handle.keys():
@@ -174,10 +180,10 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
             raise K3Error(f"{path}: not a valid safetensors file: {_header_problem(path, size) or exc}") from None
         except OSError as exc:
             raise K3Error(f"{path}: cannot read ({exc})") from None
-        header_digest(path, digest)
+        digests[name] = header_digest(path, size)
     _check(model_dir, cfg, found, index)
     ordered = {n: found[n] for n in expected_tensors(cfg)}
-    return Inventory(model_dir, tuple(files), ordered, digest.hexdigest(), total)
+    return Inventory(model_dir, tuple(files), ordered, digests, total)
 
 
 def _check(model_dir: Path, cfg: ModelConfig, found: dict[str, TensorEntry], index: dict | None) -> None:

@@ -5,7 +5,6 @@ every rank raise with the names of the ranks that failed, so no rank waits on a 
 """
 
 import gc
-import hashlib
 import logging
 import os
 import time
@@ -17,12 +16,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..config import ModelConfig
 from ..dist import Runtime, agree
 from ..errors import K3Error
 from ..faults import Faults
 from ..units import fmt_bytes
-from .inventory import Inventory, header_digest
+from .inventory import Inventory
 from .memory import MemoryPlan, detect_free, memory_plan
 from .tp_plan import TORCH_DTYPES, ShardPlan, copy_shard, plan_rank, store_shapes
 
@@ -44,7 +42,6 @@ class WeightStore:
 
 
 def preflight(
-    cfg: ModelConfig,
     inv: Inventory,
     rt: Runtime,
     compute_dtype: torch.dtype,
@@ -52,7 +49,7 @@ def preflight(
     reserve: int,
     free: int | None,
     faults: Faults,
-) -> tuple[list[ShardPlan], list[dict]]:
+) -> tuple[list[ShardPlan], MemoryPlan, list[dict]]:
     """Plan this rank, check it fits, and agree with every rank on the verdict and the checkpoint headers."""
     plans = plan_rank(inv.plan_inputs(), rt.world, rt.rank, compute_dtype)
     if faults.mine(rt.rank) and faults.free is not None:
@@ -67,33 +64,27 @@ def preflight(
         rt,
         plan=mp.as_dict(),
         fingerprint=inv.fingerprint,
+        headers=inv.file_digests,
     )
     if any(st["fingerprint"] != statuses[0]["fingerprint"] for st in statuses):
-        raise _disagreement(inv, rt, statuses)
-    return plans, [s["plan"] for s in statuses]
+        raise _disagreement(statuses)
+    return plans, mp, [s["plan"] for s in statuses]
 
 
-def _disagreement(inv: Inventory, rt: Runtime, statuses: list[dict]) -> K3Error:
-    """Every rank saw the same mismatched fingerprints, so all compare per-file headers and raise one error."""
-    headers = {}
-    for name in inv.files:
-        path = Path(inv.model_dir) / name
-        digest = hashlib.sha256(f"{name}:{path.stat().st_size}:".encode())  # what the fingerprint hashes per file
-        header_digest(path, digest)
-        headers[name] = digest.hexdigest()[:12]
-    seen = agree("checkpoint comparison", None, rt, headers=headers)
-    fingerprint, head, problems = statuses[0]["fingerprint"], seen[0]["headers"], []
-    for st, other in zip(statuses, seen, strict=True):
+def _disagreement(statuses: list[dict]) -> K3Error:
+    """Every rank holds the same statuses, so every rank raises this same error naming the odd ranks and files."""
+    fingerprint, head, problems = statuses[0]["fingerprint"], statuses[0]["headers"], []
+    for st in statuses:
         if st["fingerprint"] == fingerprint:
             continue
-        theirs, why = other["headers"], []
+        theirs, why = st["headers"], []
         if set(theirs) != set(head):
             why.append(
                 f"files only on rank {st['rank']}: {sorted(set(theirs) - set(head))[:5]}, "
                 f"only on rank 0: {sorted(set(head) - set(theirs))[:5]}"
             )
         changed = sorted(f for f in set(theirs) & set(head) if theirs[f] != head[f])
-        why += [f"{f} has header {theirs[f]} vs {head[f]}" for f in changed[:5]]
+        why += [f"{f} has header {theirs[f][:12]} vs {head[f][:12]}" for f in changed[:5]]
         problems.append(
             f"rank {st['rank']} sees a different checkpoint than rank 0 "
             f"(header fingerprint {st['fingerprint'][:12]} vs {fingerprint[:12]}: {'; '.join(why)})"
@@ -212,7 +203,6 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def load_weights(
-    cfg: ModelConfig,
     inv: Inventory,
     rt: Runtime,
     compute_dtype: torch.dtype,
@@ -224,7 +214,7 @@ def load_weights(
     """The whole pipeline after the inventory: preflight + agreement, upload, post-upload agreement."""
     faults = faults or Faults()
     start = time.perf_counter()
-    plans, all_memory = preflight(cfg, inv, rt, compute_dtype, cache, reserve, free, faults)
+    plans, memory, all_memory = preflight(inv, rt, compute_dtype, cache, reserve, free, faults)
     error, tensors = None, {}
     try:
         tensors = upload(inv, plans, rt, faults)
@@ -237,6 +227,4 @@ def load_weights(
     except K3Error:
         tensors.clear()
         raise
-    mine = next(m for m in all_memory if m["rank"] == rt.rank)
-    memory = memory_plan(rt.rank, plans, mine["cache_bytes"], mine["reserve"], mine["free"])
     return WeightStore(tensors, plans, memory, all_memory, time.perf_counter() - start)
