@@ -10,16 +10,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def mla_decode(q_nope_absorbed: Tensor, q_pe: Tensor, latent: Tensor, length: int, scale: float) -> Tensor:
-    """One query token per sequence against the first `length` rows of the latent cache.
+def mla_decode(q_nope_absorbed: Tensor, q_pe: Tensor, latent: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    """One query token per sequence against the first `lengths[b]` rows of sequence b's latent cache.
 
-    q_nope_absorbed: [B, H, r]; q_pe: [B, H, dr]; latent: [B, L, r + dr] (rows >= length are ignored).
+    q_nope_absorbed: [B, H, r]; q_pe: [B, H, dr]; latent: [B, L, r + dr]; lengths: [B] int (a device tensor, so
+    the shapes never depend on it; rows >= lengths[b] are masked out, never read into the result).
     score_{h,t} = (q_abs_h . c_t + q_pe_h . k_pe_t) * scale; returns sum_t p_{h,t} c_t: [B, H, r] in q's dtype.
     """
-    kv = latent[:, :length]  # [B, length, r + dr]
-    scores = torch.cat([q_nope_absorbed, q_pe], dim=-1) @ kv.transpose(1, 2) * scale  # [B, H, length]
+    scores = torch.cat([q_nope_absorbed, q_pe], dim=-1) @ latent.transpose(1, 2) * scale  # [B, H, L]
+    past = torch.arange(latent.shape[1], device=latent.device) >= lengths[:, None]  # [B, L]
+    scores = scores.masked_fill(past[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope_absorbed.dtype)
-    return p @ kv[..., : q_nope_absorbed.shape[-1]]
+    return p @ latent[..., : q_nope_absorbed.shape[-1]]
 
 
 def mla_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, past: int = 0) -> Tensor:
