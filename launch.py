@@ -111,7 +111,7 @@ def main(cfg: DictConfig) -> None:
     if job.get("out") is None:
         job["out"] = str(Path(hc.runtime.output_dir) / "result.json")
     try:
-        nproc = parse(job).nproc  # every override checked here: a bad value is one `error:` line
+        nproc = parse(job).dist.nproc  # every override checked here: a bad value is one `error:` line
         if hc.mode == RunMode.MULTIRUN:
             sweep_point(job)
         elif under_torchrun() or nproc == 1:

@@ -7,10 +7,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .dtypes import compute_dtype
 from .errors import K3Error
 
 MODEL_TYPES = {"kimi_linear", "kimi_k3", "Kimi-K3"}
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "float32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     num_experts = _get(raw, source, "num_experts", "num_local_experts", default=0)
     mixers = _layer_mixers(raw, n, source)
     mlps = _layer_mlps(raw, n, num_experts, source)
-    dtype = raw.get("dtype", raw.get("torch_dtype", "bfloat16"))
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise K3Error(f"{source}: dtype={dtype!r} is not one of {sorted(set(DTYPES))}")
+    dtype = compute_dtype(raw.get("dtype", raw.get("torch_dtype", "bfloat16")), f"{source}: dtype").name
     lac_src = f"{source}: linear_attn_config"
     cfg = ModelConfig(
         vocab_size=_get(raw, source, "vocab_size"),
@@ -167,7 +165,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         num_layers=n,
         intermediate_size=_get(raw, source, "intermediate_size", default=0),
         rms_norm_eps=_get(raw, source, "rms_norm_eps", default=1e-6, kind=float),
-        dtype=DTYPES[dtype],
+        dtype=dtype,
         kda_heads=_get(lac, lac_src, "num_heads", default=_get(raw, source, "linear_num_heads", default=0)),
         kda_head_dim=_get(lac, lac_src, "head_dim", default=_get(raw, source, "linear_head_dim", default=0)),
         conv_kernel=_get(

@@ -9,6 +9,8 @@ import logging
 import os
 import re
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,8 +56,14 @@ def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
     }
 
 
-def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) -> Runtime:
-    """Join the job torchrun (or launch.py) described in the environment; a lone process is a world of one."""
+def init(
+    backend: str = "auto", device: str = "auto", timeout_s: float = 120.0, collective_timeout_s: float | None = None
+) -> Runtime:
+    """Join the job torchrun (or launch.py) described in the environment; a lone process is a world of one.
+
+    Two groups, two timeouts: the model's collectives (prefill, decode) wait up to `collective_timeout_s`, long
+    enough for a slow first compile or capture; the gloo control group's agreements give up after `timeout_s`.
+    """
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(torchrun_env(0, 1, free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -75,12 +83,13 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) 
     if backend == "nccl" and dev.type != "cuda":
         raise K3Error("dist.backend=nccl needs dist.device=cuda")
     timeout = timedelta(seconds=float(timeout_s))
+    collective = timedelta(seconds=float(collective_timeout_s or timeout_s))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
-    ctrl = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+        dist.init_process_group(backend, timeout=collective, **kwargs)
+    ctrl = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else dist.group.WORLD
     global _current
     _current = Runtime(rank, world, local_rank, local_world, dev, backend, ctrl, float(timeout_s))
     return _current
@@ -191,3 +200,48 @@ def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
             agreed=True,
         )
     return statuses
+
+
+FAILURE = "k3dist/failure"
+
+
+def publish_failure(message: str) -> None:
+    """Leave this rank's failure in the rendezvous store (the first one wins), for peers stuck in a collective."""
+    try:
+        _store().compare_set(FAILURE, "", message)
+    except Exception:  # noqa: BLE001 - the store's host may be gone; the peers then name the lost rank instead
+        pass
+
+
+def published_failure(wait_s: float = 5.0) -> str | None:
+    """The failure a peer published, waiting up to `wait_s` for it to arrive; None if none did."""
+    deadline = time.monotonic() + wait_s
+    try:
+        store = _store()
+        while not store.check([FAILURE]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return store.get(FAILURE).decode()
+    except Exception:  # noqa: BLE001 - store unreachable
+        return None
+
+
+def abort_on_peer_failure(rt: Runtime, interval_s: float = 0.5) -> None:
+    """NCCL only: a daemon thread that aborts this rank's communicators as soon as a peer publishes a failure, so a
+    collective waiting on that peer returns with an error instead of waiting for the watchdog."""
+    if rt.backend != "nccl":
+        return
+
+    def watch():
+        store = _store()
+        while True:
+            try:
+                if store.check([FAILURE]):
+                    dist.distributed_c10d._abort_process_group()
+                    return
+            except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="k3dist-peer-failure", daemon=True).start()

@@ -1,4 +1,5 @@
-"""Fault injection for tests (`fault.*` overrides): every fault fires on one rank at one tensor of the upload."""
+"""Fault injection for tests (`fault.*` overrides): a fault fires on one rank, at one tensor of the upload or in
+prefill or decode after the load."""
 
 import os
 import signal
@@ -20,6 +21,7 @@ class Faults:
     kill_at: int | None = None  # the rank SIGKILLs itself at the Nth tensor
     hang_at: int | None = None  # the rank stops responding at the Nth tensor
     delay_s: float | None = None  # the fault waits this long first, so peers already wait on the rank in the agreement
+    raise_in: str | None = None  # "prefill" or "decode": the rank raises there, after the load
 
     def mine(self, rank: int) -> bool:
         return self.rank is not None and self.rank == rank
@@ -41,3 +43,8 @@ class Faults:
         if index == self.hang_at:
             while True:
                 time.sleep(60)
+
+    def after_load(self, rank: int, stage: str) -> None:
+        """Called by the engine in each prefill and decode window."""
+        if self.mine(rank) and self.raise_in == stage:
+            raise RuntimeError(f"injected failure in {stage} (fault.raise_in={stage})")

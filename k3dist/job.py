@@ -1,6 +1,9 @@
-"""One rank's job: config -> topology -> inventory -> plan/preflight/agree -> upload -> bind -> generate.
+"""One rank's job: settings -> process group -> config -> prompts -> inventory -> plan/agree -> upload -> model ->
+generate -> result.json.
 
-`run_rank` is what every rank runs, whoever started it (launch.py in-process, its spawned ranks, torchrun).
+`run_rank` is what every rank runs, whoever started it (launch.py in-process, its spawned ranks, torchrun). Every
+stage that can fail on one rank before the upload ends in an agreement (`staged`); a failure after the load (prefill,
+decode) is published to the peers, which may be waiting inside a collective (`after_load`).
 """
 
 import json
@@ -15,20 +18,26 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from . import dist
-from .cache import DeviceHybridCache
+from .cache import HybridCache, cache_nbytes, cache_shapes
 from .config import ModelConfig, load_config, validate_topology
-from .engine import Sampler, generate
+from .decode import DecodeStep, capture_kind
+from .engine import Completion, Engine
 from .errors import K3Error
+from .kernels.backend import select
+from .model.build import build_model
 from .model.tp import TPComm
-from .model.transformer import K3Model
+from .output import Output
+from .prompts import TextTools, build_prompts
+from .runtime import runtime_memory
+from .sampling import SamplingMode
 from .settings import Settings, parse
 from .summary import print_summary
 from .weights.inventory import inside, scan
 from .weights.loader import load_weights
-from .weights.memory import cache_bytes, detect_free, peak_bytes
+from .weights.memory import detect_free, peak_bytes
 from .weights.schema import expected_tensors
 from .weights.twin import ensure_twin
-from .weights.whatif import plan_world
+from .weights.whatif import plan_all_ranks
 
 log = logging.getLogger("k3dist")
 
@@ -57,34 +66,50 @@ def staged(stage: str, rt: dist.Runtime, fn):
     return value
 
 
+def after_load(stage: str, rt: dist.Runtime, fn):
+    """Run prefill/decode work; a failure on any rank ends every rank with that rank's line.
+
+    The failing rank publishes its error before it exits; a peer blocked in a collective with it sees that
+    collective fail (its peer left, or NCCL was aborted) and prints the published line instead of its own.
+    """
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - every failure after the load must reach the peers
+        own = str(exc) if isinstance(exc, K3Error) else f"{stage} failed: {type(exc).__name__}: {exc}"
+        own = own if own.startswith("rank ") else f"rank {rt.rank}: {own}"
+        if isinstance(exc, torch.OutOfMemoryError):
+            own = f"rank {rt.rank}: out of device memory in {stage} (raise memory.reserve or lower generate.batch)"
+        if rt.world == 1:
+            raise K3Error(own) from None
+        peer = dist.published_failure(wait_s=0.0 if _own_fault(exc) else 5.0)
+        if peer is None:
+            dist.publish_failure(own)
+        raise K3Error(peer or own) from None
+
+
+def _own_fault(exc: Exception) -> bool:
+    """Errors a rank makes itself, as opposed to a collective failing because a peer went away."""
+    return not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError) or "injected" in str(exc)
+
+
 def model_config(s: Settings) -> ModelConfig:
-    if s.model_path is None:
-        return load_config(s.config_file)
-    model_dir = Path(s.model_path)
+    if s.model.path is None:
+        return load_config(s.model.config_file)
+    model_dir = Path(s.model.path)
     if not model_dir.is_dir():
-        raise K3Error(f"model.path={s.model_path}: not a directory")
+        raise K3Error(f"model.path={s.model.path}: not a directory")
     inside(model_dir, "config.json", "model.path")
     return load_config(model_dir / "config.json")
-
-
-def prompts(s: Settings, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    if s.prompt is not None:
-        bad = [t for t in s.prompt if t >= cfg.vocab_size]
-        if bad:
-            raise K3Error(f"generate.prompt has token ids {bad[:5]} >= vocab_size={cfg.vocab_size}")
-        return torch.tensor([s.prompt] * s.batch, device=device)
-    gen = torch.Generator().manual_seed(s.seed)
-    return torch.randint(0, cfg.vocab_size, (s.batch, s.prompt_len), generator=gen).to(device)
 
 
 def run_rank(job: dict) -> dict | None:
     """Everything one rank does; returns the result on rank 0 (also written to result.json)."""
     s = parse(job)
-    rt = dist.init(s.backend, s.device, s.timeout_s)
+    rt = dist.init(s.dist.backend, s.dist.device, s.dist.timeout_s, s.dist.collective_timeout_s)
     setup_logging(rt.rank)
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
-    result = plan_only(s, rt) if s.mode == "plan" else load_and_generate(s, rt)
+    result = plan_only(s, rt) if s.run.mode == "plan" else load_and_generate(s, rt)
     if rt.is_main:
         result["peak_bytes"] = peak_bytes(rt.device)  # rank 0's peak (RSS on CPU, allocation on CUDA)
         write_result(result, s.out)
@@ -93,20 +118,37 @@ def run_rank(job: dict) -> dict | None:
     return result if rt.is_main else None
 
 
+def reserve_of(s: Settings, device: torch.device) -> int:
+    from .weights.memory import default_reserve
+
+    return s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
+
+
+def runtime_of(s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, max_new: int, sample):
+    g = s.generate
+    return runtime_memory(cfg, world, g.batch, longest, g.prefill_chunk, max_new, sample, dtype.itemsize, device_type)
+
+
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
     """run.mode=plan: every rank of `dist.world_size` planned here, from the checkpoint headers or the config."""
     cfg = model_config(s)
-    world = s.plan_world or rt.world
+    world = s.dist.world_size or rt.world
     validate_topology(cfg, world)
-    inv = scan(s.model_path, cfg) if s.model_path else None
-    dtype = s.compute_dtype(cfg.dtype)
-    free = s.free if s.free is not None else detect_free(rt.device, rt.local_world)
-    plans = plan_world(cfg, inv, world, dtype, cache_bytes(cfg, s.batch, s.cap, world, dtype), s.reserve, free)
+    inv = scan(s.model.path, cfg) if s.model.path else None
+    dtype = s.model.compute_dtype(cfg.dtype)
+    free = s.memory.free if s.memory.free is not None else detect_free(rt.device, rt.local_world)
+    cache = cache_nbytes(cache_shapes(cfg, world, s.generate.batch, s.cache.cap, dtype))
+    sample = s.generate.temperature > 0
+    longest = max(1, s.cache.cap - s.generate.max_new_tokens)  # what-if: the longest prompt the cache admits
+    runtime = runtime_of(s, cfg, world, dtype, rt.device.type, longest, s.generate.max_new_tokens, sample)
+    reserve = reserve_of(s, rt.device)
+    plans = plan_all_ranks(cfg, inv, world, dtype, cache, reserve, free, runtime.total)
     refused = [p.refusal() for p in plans if not p.fits]
     shapes = [e.shape for e in inv.entries.values()] if inv else list(expected_tensors(cfg).values())
     return base_result(s, rt, cfg, world) | {
         "mode": "plan",
         "plan": [p.as_dict() for p in plans],
+        "runtime": runtime.as_dict(),
         "verdict": "refused" if refused else "admitted",
         "refusals": refused,
         "params": sum(math.prod(shape) for shape in shapes),
@@ -119,44 +161,93 @@ def base_result(s: Settings, rt: dist.Runtime, cfg: ModelConfig, world: int) -> 
         "world_size": world,
         "backend": rt.backend,
         "device": rt.device.type,
-        "dtype": str(s.compute_dtype(cfg.dtype)).removeprefix("torch."),
+        "dtype": str(s.model.compute_dtype(cfg.dtype)).removeprefix("torch."),
     }
+
+
+def _text_tools(s: Settings, model_dir: Path) -> TextTools | None:
+    """Tokenizer and template when the run involves text (text prompts, a prompts file, stops) or the dir has one."""
+    g = s.generate
+    files = ("tiktoken.model", "tokenizer.json")
+    if (
+        isinstance(g.prompt, str)
+        or g.prompts is not None
+        or g.stop
+        or g.chat
+        or any((model_dir / f).is_file() for f in files)
+    ):
+        return TextTools(model_dir)
+    return None
 
 
 def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     cfg = staged("config", rt, lambda: model_config(s))
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
-    dtype = s.compute_dtype(cfg.dtype)
-    tokens = prompts(s, cfg, rt.device)
-    if s.mode == "generate" and tokens.shape[1] + s.max_new_tokens > s.cap:
-        raise K3Error(
-            f"prompt of {tokens.shape[1]} tokens + generate.max_new_tokens={s.max_new_tokens} exceeds "
-            f"cache.cap={s.cap} (raise cache.cap to at least {tokens.shape[1] + s.max_new_tokens})"
-        )
-    model_dir = s.model_path or str(ensure_twin(s.config_file, s.twin_seed, cfg.dtype))
+    dtype = s.model.compute_dtype(cfg.dtype)
+    model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
+    text, prompts = None, []
+    if s.run.mode == "generate":
+        text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))
+        prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
+    max_new = max((p.max_new_tokens for p in prompts), default=s.generate.max_new_tokens)
+    mode = SamplingMode(
+        sample=any(p.temperature > 0 for p in prompts),
+        filtered=any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in prompts),
+    )
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
-    cache = cache_bytes(cfg, s.batch, s.cap, rt.world, dtype)
-    store = load_weights(inv, rt, dtype, cache, s.reserve, s.free, s.faults)
+    shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
+    longest = max((len(p.ids) for p in prompts), default=1)
+    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample)
+    store = load_weights(
+        inv, rt, dtype, cache_nbytes(shapes), reserve_of(s, rt.device), s.memory.free, s.fault, runtime.total
+    )
     result = base_result(s, rt, cfg, rt.world) | {
-        "mode": s.mode,
+        "mode": s.run.mode,
         "model_dir": str(model_dir),
         "plan": store.all_memory,
+        "runtime": runtime.as_dict(),
         "load_seconds": store.load_seconds,
     }
-    if s.mode == "load":
+    if s.run.mode == "load":
         return result
-    model = K3Model(cfg, store.tensors, TPComm(rt.world, rt.rank, cfg.vocab_size), s.router_weights)
-    kv = DeviceHybridCache(cfg, rt.world, s.batch, s.cap, dtype, rt.device)
-    sampler = Sampler(s.temperature, s.top_p, s.seed, rt.device)
-    gen = generate(model, kv, tokens, s.max_new_tokens, sampler, cfg.eos_token_id)
-    return result | {
-        "prompt": tokens.tolist(),
-        "tokens": gen.tokens,
-        "top_logits": gen.top_logits,
-        "prefill_seconds": gen.prefill_seconds,
-        "decode_tokens_per_second": gen.decode_tokens_per_second,
-        "step_ms": gen.step_ms(),
-    }
+    return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new)
+
+
+def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new) -> dict:
+    cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
+    comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
+    model = build_model(cfg, weights, comm, cache, select(s.kernels.backend, rt.device), s.model.router_weights)
+    step = DecodeStep(model, cache, max_new, mode, capture_kind(s.decode.compile, rt.device))
+    tokenizer = text.tokenizer if text else None
+    eos = tokenizer.eos_ids if tokenizer else tuple(t for t in (cfg.eos_token_id,) if t is not None)
+    engine = Engine(step, s.generate.prefill_chunk, s.decode.sync_every, eos, _assembler(tokenizer), s.fault, rt.rank)
+    out = Output(s, rt, prompts, engine)
+    dist.abort_on_peer_failure(rt)
+    after_load("warm-up", rt, step.warm_up)
+    completions: list[Completion] = after_load("generate", rt, lambda: engine.run(prompts))
+    out.close(completions)
+    t = engine.timings
+    return {
+        "prompt": [list(p.ids) for p in prompts],
+        "tokens": [c.tokens for c in completions],
+        "text": [c.text for c in completions],
+        "finish_reason": [c.finish_reason for c in completions],
+        "top_logits": [c.top_logits for c in completions],
+        "warmup_seconds": step.warmup_seconds,
+        "prefill_seconds": t.prefill_seconds,
+        "decode_tokens_per_second": t.decode_tokens_per_second,
+        "step_ms": t.step_ms(),
+        "kernels": model.kernels.name,
+        "decode_compile": step.kind,
+    } | out.paths()
+
+
+def _assembler(tokenizer):
+    if tokenizer is None:
+        return None
+    from .text.stream import TextAssembler
+
+    return lambda prompt: TextAssembler(tokenizer, prompt.stop, tokenizer.eos_ids)
 
 
 def write_result(result: dict, out: str | None) -> None:

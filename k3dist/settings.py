@@ -1,113 +1,243 @@
-"""Typed job settings from the composed Hydra config (a plain dict, so it crosses process boundaries)."""
+"""Typed job settings from the composed Hydra config: one dataclass per config group, the config's own key names.
 
-from dataclasses import dataclass
+The job crosses process boundaries as a plain dict (spawned ranks); `parse` checks every value a user can override
+and turns a bad one into one `error:` line naming the key.
+"""
+
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from .dtypes import COMPUTE, compute_dtype
 from .errors import K3Error
 from .faults import Faults
 from .units import parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODES = ("generate", "load", "plan")
 
 
 @dataclass(frozen=True)
-class Settings:
-    config_file: Path
-    model_path: str | None
-    dtype: str
-    twin_seed: int
+class ModelSettings:
+    config_file: Path  # the twin's (or what-if) config.json when `path` is null
+    path: str | None
+    dtype: str  # auto or a compute dtype
+    seed: int  # seed of the twin's random weights
     router_weights: str
-    nproc: int
-    plan_world: int | None
-    timeout_s: float
-    backend: str
-    device: str
-    reserve: int
-    free: int | None
-    cap: int
-    prompt: list[int] | None
-    prompt_len: int
-    batch: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    mode: str
-    out: str | None
-    faults: Faults
 
     def compute_dtype(self, checkpoint_dtype: str) -> torch.dtype:
-        return COMPUTE_DTYPES[checkpoint_dtype if self.dtype == "auto" else self.dtype]
+        return compute_dtype(checkpoint_dtype if self.dtype == "auto" else self.dtype).torch
 
 
-def _int(section: dict, key: str, where: str, low: int = 0, optional: bool = False):
-    value = section.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise K3Error(f"{where}.{key}={value!r} must be an integer >= {low}")
-    return value
+@dataclass(frozen=True)
+class DistSettings:
+    nproc: int
+    world_size: int | None  # run.mode=plan: the world to plan for
+    timeout_s: float  # agreements
+    collective_timeout_s: float  # collectives of prefill and decode (a first capture can be slow)
+    backend: str
+    device: str
 
 
-def _float(section: dict, key: str, where: str, low: float = 0.0) -> float:
-    value = section.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low:
-        raise K3Error(f"{where}.{key}={value!r} must be a number >= {low}")
-    return float(value)
+@dataclass(frozen=True)
+class MemorySettings:
+    reserve: int | None  # None: the device's default (memory.py)
+    free: int | None
+    drop_page_cache: str
 
 
-def _choice(section: dict, key: str, where: str, choices) -> str:
-    value = section.get(key)
-    if value not in choices:
-        raise K3Error(f"{where}.{key}={value!r} must be one of {list(choices)}")
-    return value
+@dataclass(frozen=True)
+class CacheSettings:
+    cap: int
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    prompt: str | list[int] | None
+    prompt_len: int
+    prompts: str | None  # a JSONL file of requests
+    outputs: str | None
+    chat: bool
+    system: str | None
+    batch: int
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stream: str
+    prefill_chunk: int
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    compile: str
+    sync_every: int
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    backend: str
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    mode: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings
+    dist: DistSettings
+    memory: MemorySettings
+    cache: CacheSettings
+    generate: GenerateSettings
+    decode: DecodeSettings
+    kernels: KernelSettings
+    run: RunSettings
+    out: str | None
+    fault: Faults
+
+
+class _Section:
+    """Reads one config group, naming `group.key` in every refusal."""
+
+    def __init__(self, job: dict, group: str):
+        self.values, self.group = job.get(group) or {}, group
+
+    def fail(self, key: str, why: str):
+        raise K3Error(f"{self.group}.{key}={self.values.get(key)!r} {why}")
+
+    def integer(self, key: str, low: int = 0, optional: bool = False):
+        value = self.values.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            self.fail(key, f"must be an integer >= {low}")
+        return value
+
+    def number(self, key: str, low: float = 0.0, high: float | None = None) -> float:
+        value = self.values.get(key)
+        bad = not isinstance(value, (int, float)) or isinstance(value, bool) or value < low
+        if bad or (high is not None and value > high):
+            self.fail(key, f"must be a number in [{low}, {high if high is not None else 'inf'}]")
+        return float(value)
+
+    def choice(self, key: str, choices) -> str:
+        value = self.values.get(key)
+        if isinstance(value, bool) and "on" in choices:  # YAML reads a bare on/off as a boolean
+            value = "on" if value else "off"
+        if value not in choices:
+            self.fail(key, f"must be one of {list(choices)}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        value = self.values.get(key)
+        if not isinstance(value, bool):
+            self.fail(key, "must be true or false")
+        return value
+
+    def text(self, key: str) -> str | None:
+        value = self.values.get(key)
+        if value is not None and not isinstance(value, str):
+            self.fail(key, "must be a string")
+        return value
+
+    def size(self, key: str) -> int | None:
+        value = self.values.get(key)
+        return None if value is None else parse_bytes(value, f"{self.group}.{key}")
+
+
+def _prompt(gen: _Section):
+    prompt = gen.values.get("prompt")
+    if prompt is None or (isinstance(prompt, str) and prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if min(prompt) >= 0:
+            return list(prompt)
+    gen.fail("prompt", "must be text or a non-empty list of token ids")
+
+
+def _stop(gen: _Section) -> tuple[str, ...]:
+    stop = gen.values.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        gen.fail("stop", "must be a string or a list of non-empty strings")
+    return tuple(stop)
+
+
+def _model(sec: _Section) -> ModelSettings:
+    config_file = Path(str(sec.values.get("config_file") or ""))
+    if sec.values.get("path") is None:
+        if not config_file.is_absolute():
+            config_file = CONFIGS / config_file
+        if not config_file.is_file():
+            sec.fail("config_file", f"names no config ({config_file})")
+    path = sec.values.get("path")
+    return ModelSettings(
+        config_file=config_file,
+        path=None if path is None else str(path),
+        dtype=sec.choice("dtype", ("auto", *COMPUTE)),
+        seed=sec.integer("seed"),
+        router_weights=sec.choice("router_weights", ("unbiased", "biased")),
+    )
 
 
 def parse(job: dict) -> Settings:
     """Check every value a user can override; a bad one is an `error:` line naming the key."""
-    model, dist, mem, cache, gen, run = (
-        job.get(k) or {} for k in ("model", "dist", "memory", "cache", "generate", "run")
+    model, dist, mem, cache, gen, dec, ker, run = (
+        _Section(job, g) for g in ("model", "dist", "memory", "cache", "generate", "decode", "kernels", "run")
     )
-    fault = job.get("fault") or {}
-    config_file = Path(str(model.get("config_file") or ""))
-    if model.get("path") is None:
-        if not config_file.is_absolute():
-            config_file = CONFIGS / config_file
-        if not config_file.is_file():
-            raise K3Error(f"model.config_file={model.get('config_file')!r}: no such config ({config_file})")
-    prompt = gen.get("prompt")
-    if prompt is not None and (
-        not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt)
-    ):
-        raise K3Error(f"generate.prompt={prompt!r} must be a non-empty list of token ids")
+    fault = dict(job.get("fault") or {})
+    known = {f.name for f in fields(Faults)}
+    if set(fault) - known:
+        raise K3Error(f"fault.{sorted(set(fault) - known)[0]} is not a fault (known: {sorted(known)})")
+    for key in ("free", "free_drop"):
+        if fault.get(key) is not None:
+            fault[key] = parse_bytes(fault[key], f"fault.{key}")
     return Settings(
-        config_file=config_file,
-        model_path=None if model.get("path") is None else str(model["path"]),
-        dtype=_choice(model, "dtype", "model", ("auto", *COMPUTE_DTYPES)),
-        twin_seed=_int(model, "seed", "model"),
-        router_weights=_choice(model, "router_weights", "model", ("unbiased", "biased")),
-        nproc=_int(dist, "nproc", "dist", 1),
-        plan_world=_int(dist, "world_size", "dist", 1, optional=True),
-        timeout_s=_float(dist, "timeout_s", "dist", 1.0),
-        backend=_choice(dist, "backend", "dist", ("auto", "gloo", "nccl")),
-        device=_choice(dist, "device", "dist", ("auto", "cpu", "cuda")),
-        reserve=parse_bytes(mem.get("reserve", 0), "memory.reserve"),
-        free=None if mem.get("free") is None else parse_bytes(mem["free"], "memory.free"),
-        cap=_int(cache, "cap", "cache", 1),
-        prompt=prompt,
-        prompt_len=_int(gen, "prompt_len", "generate", 1),
-        batch=_int(gen, "batch", "generate", 1),
-        max_new_tokens=_int(gen, "max_new_tokens", "generate", 0),
-        temperature=_float(gen, "temperature", "generate"),
-        top_p=_float(gen, "top_p", "generate"),
-        seed=_int(gen, "seed", "generate"),
-        mode=_choice(run, "mode", "run", MODES),
-        out=job.get("out"),
-        faults=Faults(
-            **{k: (parse_bytes(v, "fault.free") if k == "free" and v is not None else v) for k, v in fault.items()}
+        model=_model(model),
+        dist=DistSettings(
+            nproc=dist.integer("nproc", 1),
+            world_size=dist.integer("world_size", 1, optional=True),
+            timeout_s=dist.number("timeout_s", 1.0),
+            collective_timeout_s=dist.number("collective_timeout_s", 1.0),
+            backend=dist.choice("backend", ("auto", "gloo", "nccl")),
+            device=dist.choice("device", ("auto", "cpu", "cuda")),
         ),
+        memory=MemorySettings(
+            reserve=mem.size("reserve"),
+            free=mem.size("free"),
+            drop_page_cache=mem.choice("drop_page_cache", ("auto", "off")),
+        ),
+        cache=CacheSettings(cap=cache.integer("cap", 1)),
+        generate=GenerateSettings(
+            prompt=_prompt(gen),
+            prompt_len=gen.integer("prompt_len", 1),
+            prompts=gen.text("prompts"),
+            outputs=gen.text("outputs"),
+            chat=gen.flag("chat"),
+            system=gen.text("system"),
+            batch=gen.integer("batch", 1),
+            max_new_tokens=gen.integer("max_new_tokens", 0),
+            stop=_stop(gen),
+            temperature=gen.number("temperature"),
+            top_p=gen.number("top_p", 0.0, 1.0),
+            top_k=gen.integer("top_k"),
+            seed=gen.integer("seed"),
+            stream=gen.choice("stream", ("auto", "on", "off")),
+            prefill_chunk=gen.integer("prefill_chunk", 1),
+        ),
+        decode=DecodeSettings(
+            compile=dec.choice("compile", ("auto", "on", "off")),
+            sync_every=dec.integer("sync_every", 1),
+        ),
+        kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "triton"))),
+        run=RunSettings(mode=run.choice("mode", MODES)),
+        out=job.get("out"),
+        fault=Faults(**fault),
     )

@@ -1,11 +1,29 @@
-"""Shared fixtures: one cache dir of twin checkpoints per test session, small configs, a rank spawner."""
+"""Shared fixtures and the test kinds.
+
+tests/unit (one process), tests/dist (real gloo ranks), tests/cli (launch.py, sweeps, signals), tests/gpu (marker
+`gpu`, skipped without CUDA). Without CUDA, Triton kernels run under Triton's interpreter on the CPU.
+"""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
 ROOT = Path(__file__).resolve().parent.parent
+TWIN_CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -21,4 +39,4 @@ def twin_dir(k3_cache) -> Path:
     """The 0.40B twin, bf16, written once."""
     from k3dist.weights.twin import ensure_twin
 
-    return ensure_twin(ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json", root=k3_cache)
+    return ensure_twin(TWIN_CONFIG, root=k3_cache)

@@ -1,47 +1,66 @@
-"""KDA token mixer (docs/kimi-linear.md section 3) over this rank's heads; o_proj is row-parallel."""
+"""KDA token mixer (docs/model.md) over this rank's heads; owns its slots' conv and recurrent state.
+
+One fused projection reads the normed input for q, k, v, the two low-rank gate inputs and beta; decode hands the
+rest to the backend's fused kernel, prefill to the chunked reference. o_proj is row-parallel: one all-reduce.
+"""
 
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.conv import causal_conv_prefill, causal_conv_step
-from ..kernels.kda import kda_decode_step, kda_gate, kda_prefill
+from ..kernels.conv import causal_conv_prefill
+from ..kernels.kda import kda_gate, kda_prefill
 from .layers import gated_rmsnorm
 
 
 class KDA:
-    def __init__(self, w: dict[str, Tensor], prefix: str, head_dim: int, eps: float, comm):
-        get = lambda name: w[prefix + name]  # noqa: E731
-        self.wq, self.wk, self.wv = get("q_proj.weight"), get("k_proj.weight"), get("v_proj.weight")
-        self.convs = [get(f"{n}_conv1d.weight").squeeze(1) for n in "qkv"]  # [P_local, K] views
-        self.f_a, self.f_b = get("f_a_proj.weight"), get("f_b_proj.weight")
-        self.g_a, self.g_b = get("g_a_proj.weight"), get("g_b_proj.weight")
-        self.b_proj, self.o_proj, self.o_norm = get("b_proj.weight"), get("o_proj.weight"), get("o_norm.weight")
-        self.A_log, self.dt_bias = get("A_log").view(-1), get("dt_bias")
-        self.d, self.eps, self.comm = head_dim, eps, comm
-        self.heads = self.wq.shape[0] // head_dim
+    def __init__(self, w, prefix: str, cfg, comm, kernels, conv_state: Tensor, state: Tensor):
+        self.in_proj = w(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b
+        self.conv_w = w(prefix + "conv1d.weight").flatten(2)  # [3, P, K]
+        self.fg_b = w(prefix + "fg_b_proj.weight")  # [2, P, d]: f_b, g_b
+        self.o_proj, self.o_norm = w(prefix + "o_proj.weight"), w(prefix + "o_norm.weight")
+        self.A_log, self.dt_bias = w(prefix + "A_log").view(-1), w(prefix + "dt_bias")
+        self.heads, self.d = self.A_log.numel(), cfg.kda_head_dim
+        P = self.heads * self.d
+        self.split = (3 * P, self.d, self.d, self.heads)
+        self.eps, self.comm, self.kernels = cfg.rms_norm_eps, comm, kernels
+        self.conv_state, self.state = conv_state, state  # [B, 3, P, K-1], [B, H, d, d] fp32
 
-    def __call__(self, x: Tensor, conv_state: Tensor, state: Tensor) -> Tensor:
-        """x: [B, T, D] normed; conv_state: [B, 3, P_local, K-1]; state: [B, H_local, d, d] fp32 (in place)."""
-        B, T, _ = x.shape
-        heads = (B, T, self.heads, self.d)
-        projected = (F.linear(x, w) for w in (self.wq, self.wk, self.wv))
-        if T == 1:
-            q, k, v = (
-                causal_conv_step(p[:, 0], w, conv_state[:, i]).view(heads)
-                for i, (p, w) in enumerate(zip(projected, self.convs, strict=True))
-            )
-        else:
-            q, k, v = (
-                causal_conv_prefill(p, w, conv_state[:, i]).view(heads)
-                for i, (p, w) in enumerate(zip(projected, self.convs, strict=True))
-            )
-        g = kda_gate(F.linear(F.linear(x, self.f_a), self.f_b).view(heads), self.A_log, self.dt_bias)
-        beta = F.linear(x, self.b_proj).float().sigmoid()
-        q = q.float()  # the kernel works in fp32 anyway; an fp32 q keeps its output unrounded for the norm
-        if T == 1:
-            o = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state).unsqueeze(1)
-        else:
-            o = kda_prefill(q, k, v, g, beta, state)
-        gate = F.linear(F.linear(x, self.g_a), self.g_b).view(heads)
-        o = gated_rmsnorm(o, gate, self.o_norm, self.eps).to(x.dtype).reshape(B, T, -1)
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        qkv, f_a, g_a, beta_raw = F.linear(x, self.in_proj).split(self.split, dim=-1)
+        return qkv, F.linear(f_a, self.fg_b[0]), beta_raw, F.linear(g_a, self.fg_b[1])
+
+    def decode(self, x: Tensor) -> Tensor:
+        """x: [B, D] normed, one token per slot. Returns [B, D] fp32, summed over ranks."""
+        qkv, g_raw, beta_raw, gate = self._project(x)
+        o = self.kernels.kda_decode(
+            qkv.unflatten(-1, (3, -1)),
+            self.conv_state,
+            self.conv_w,
+            g_raw,
+            beta_raw,
+            gate,
+            self.A_log,
+            self.dt_bias,
+            self.o_norm,
+            self.eps,
+            self.state,
+        )
+        return self.comm.all_reduce(F.linear(o, self.o_proj).float())
+
+    def prefill(self, x: Tensor, slots: Tensor, start: int) -> Tensor:
+        """x: [n, T, D] normed, continuing slots `slots` [n] (their states hold the first `start` tokens).
+        Returns [n, T, D] fp32, summed over ranks; the slots' states advance in place."""
+        n, T, _ = x.shape
+        heads = (n, T, self.heads, self.d)
+        qkv, g_raw, beta_raw, gate = self._project(x)
+        conv = self.conv_state.index_select(0, slots)
+        q, k, v = (
+            causal_conv_prefill(p, self.conv_w[i], conv[:, i]).view(heads) for i, p in enumerate(qkv.chunk(3, dim=-1))
+        )
+        self.conv_state.index_copy_(0, slots, conv)
+        g = kda_gate(g_raw.view(heads), self.A_log, self.dt_bias)
+        state = self.state.index_select(0, slots)
+        o = kda_prefill(q.float(), k, v, g, beta_raw.float().sigmoid(), state)  # fp32 q: unrounded into the norm
+        self.state.index_copy_(0, slots, state)
+        o = gated_rmsnorm(o, gate.view(heads), self.o_norm, self.eps).to(x.dtype).reshape(n, T, -1)
         return self.comm.all_reduce(F.linear(o, self.o_proj).float())

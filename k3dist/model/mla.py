@@ -1,48 +1,60 @@
-"""MLA token mixer, NoPE (docs/kimi-linear.md section 4): caches the normalised latent plus the shared key slice.
+"""MLA token mixer, NoPE (docs/model.md): caches the normalised latent plus the shared key slice, per slot.
 
-Prefill expands the latent through kv_b_proj and runs causal attention; decode uses the absorbed form (q folded
-through kv_b_proj's key rows, the latent context through its value rows), so the cache is never expanded.
+One fused projection gives q and the latent input. Prefill expands the latent through kv_b_proj and runs causal
+attention; decode writes each slot's row at its own position and attends in the absorbed form (q folded through
+kv_b_proj's key rows, the latent context through its value rows), so the cache is never expanded.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.mla import mla_decode, mla_prefill
+from ..kernels.mla import mla_prefill
 from .layers import rmsnorm
 
-LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm default eps (HF remote code, transformers), pitfall 2
+LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (HF remote code, transformers), not rms_norm_eps
 
 
 class MLA:
-    def __init__(self, w: dict[str, Tensor], prefix: str, cfg, comm):
-        self.wq = w[prefix + "q_proj.weight"]
-        self.wkva = w[prefix + "kv_a_proj_with_mqa.weight"]
-        self.kv_norm = w[prefix + "kv_a_layernorm.weight"]
-        self.wkvb = w[prefix + "kv_b_proj.weight"]
-        self.o_proj = w[prefix + "o_proj.weight"]
+    def __init__(self, w, prefix: str, cfg, comm, kernels, latent: Tensor):
+        self.q_kv_a = w(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D]
+        self.kv_norm = w(prefix + "kv_a_layernorm.weight")
+        self.wkvb = w(prefix + "kv_b_proj.weight")  # [H * (dn + dv), r]
+        self.o_proj = w(prefix + "o_proj.weight")
         self.dn, self.dr, self.dv, self.r = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.heads = self.wq.shape[0] // (self.dn + self.dr)
+        self.heads = self.wkvb.shape[0] // (self.dn + self.dv)
         per_head = self.wkvb.view(self.heads, self.dn + self.dv, self.r)
         self.w_kb, self.w_vb = per_head[:, : self.dn], per_head[:, self.dn :]  # views: no derived bytes
+        self.q_rows = self.heads * (self.dn + self.dr)
         self.scale = (self.dn + self.dr) ** -0.5
-        self.comm = comm
+        self.comm, self.kernels = comm, kernels
+        self.latent = latent  # [B, cap, r + dr]
 
-    def __call__(self, x: Tensor, latent: Tensor, start: int) -> Tensor:
-        """x: [B, T, D] normed; latent: [B, cap, r + dr] cache, rows [start, start + T) are written in place."""
-        B, T, _ = x.shape
-        q = F.linear(x, self.wq).view(B, T, self.heads, self.dn + self.dr)
-        ckv = F.linear(x, self.wkva)
-        latent[:, start : start + T, : self.r] = rmsnorm(ckv[..., : self.r], self.kv_norm, LATENT_EPS)
-        latent[:, start : start + T, self.r :] = ckv[..., self.r :]
-        if T == 1:
-            q_abs = torch.einsum("bhn,hnr->bhr", q[:, 0, :, : self.dn], self.w_kb)
-            ctx = mla_decode(q_abs, q[:, 0, :, self.dn :], latent, start + 1, self.scale)  # [B, H, r]
-            o = torch.einsum("bhr,hvr->bhv", ctx, self.w_vb).reshape(B, 1, -1)
-        else:
-            rows = latent[:, : start + T]
-            kv = F.linear(rows[..., : self.r], self.wkvb).view(B, start + T, self.heads, self.dn + self.dv)
-            k_pe = rows[..., None, self.r :].expand(B, start + T, self.heads, self.dr)
-            k = torch.cat([kv[..., : self.dn], k_pe], dim=-1)
-            o = mla_prefill(q, k, kv[..., self.dn :], self.scale, past=start).reshape(B, T, -1)
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [..., D] -> q [..., H, dn + dr] and the cache row [..., r + dr] (normed latent, raw k_pe)."""
+        q, ckv = F.linear(x, self.q_kv_a).split((self.q_rows, self.r + self.dr), dim=-1)
+        row = torch.cat([rmsnorm(ckv[..., : self.r], self.kv_norm, LATENT_EPS), ckv[..., self.r :]], dim=-1)
+        return q.unflatten(-1, (self.heads, -1)), row
+
+    def decode(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x: [B, D] normed; positions: [B] where each slot's token goes (a device tensor). Returns [B, D] fp32."""
+        B = x.shape[0]
+        q, row = self._project(x)
+        self.latent.index_put_((torch.arange(B, device=x.device), positions), row.to(self.latent.dtype))
+        q_abs = torch.einsum("bhn,hnr->bhr", q[..., : self.dn], self.w_kb)
+        ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], self.latent, positions + 1, self.scale)
+        o = torch.einsum("bhr,hvr->bhv", ctx, self.w_vb).reshape(B, -1)
+        return self.comm.all_reduce(F.linear(o, self.o_proj).float())
+
+    def prefill(self, x: Tensor, slots: Tensor, start: int) -> Tensor:
+        """x: [n, T, D] normed, continuing slots `slots` [n] at position `start`. Returns [n, T, D] fp32."""
+        n, T, _ = x.shape
+        q, row = self._project(x)
+        at = torch.arange(start, start + T, device=x.device)
+        self.latent[slots[:, None], at[None, :]] = row.to(self.latent.dtype)
+        rows = self.latent[slots, : start + T]  # [n, start + T, r + dr]
+        kv = F.linear(rows[..., : self.r], self.wkvb).view(n, start + T, self.heads, self.dn + self.dv)
+        k_pe = rows[..., None, self.r :].expand(n, start + T, self.heads, self.dr)
+        k = torch.cat([kv[..., : self.dn], k_pe], dim=-1)
+        o = mla_prefill(q, k, kv[..., self.dn :], self.scale, past=start).reshape(n, T, -1)
         return self.comm.all_reduce(F.linear(o, self.o_proj).float())

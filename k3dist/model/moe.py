@@ -1,23 +1,23 @@
-"""MoE (docs/kimi-linear.md section 5): sigmoid router with a selection-only correction bias, routed SwiGLU
-experts split by expert size over ranks, a shared expert, and one all-reduce for the whole block."""
+"""MoE (docs/model.md): sigmoid router with a selection-only correction bias, routed SwiGLU experts split by expert
+size over ranks, a shared expert, and one all-reduce for the whole block. No path reads anything on the host:
+decode gathers the chosen experts' weights, prefill groups tokens by expert with static shapes."""
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.moe import experts_gathered, experts_grouped
 from .layers import swiglu
 
 
 class MoE:
-    def __init__(self, w: dict[str, Tensor], prefix: str, cfg, comm, biased: bool = False):
-        self.gate = w[prefix + "gate.weight"]  # [E, D] fp32
-        self.bias = w[prefix + "gate.e_score_correction_bias"]  # [E] fp32
-        self.w1, self.w2, self.w3 = (w[prefix + f"experts.{n}"] for n in ("w1", "w2", "w3"))  # stacked [E, ...]
+    def __init__(self, w, prefix: str, cfg, comm, biased: bool = False):
+        self.gate = w(prefix + "gate.weight")  # [E, D] fp32
+        self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
+        self.w13, self.w2 = w(prefix + "experts.w13"), w(prefix + "experts.w2")  # [E, 2I, D], [E, D, I]
         shared = prefix + "shared_experts."
         self.shared = (
-            tuple(w[shared + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
-            if shared + "gate_proj.weight" in w
-            else None
+            (w(shared + "gate_up_proj.weight"), w(shared + "down_proj.weight")) if cfg.num_shared_experts else None
         )
         self.top_k, self.groups, self.topk_group = cfg.top_k, cfg.num_expert_group, cfg.topk_group
         self.renormalize, self.scale, self.biased = cfg.renormalize, cfg.routed_scaling_factor, biased
@@ -38,26 +38,30 @@ class MoE:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * self.scale
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor, experts) -> Tensor:
         """x: [..., D] normed, any float dtype: the router reads it as fp32, the experts in the weights' dtype."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.route(flat)
-        x = flat.to(self.w1.dtype)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            y = swiglu(x[token], self.w1[e], self.w3[e], self.w2[e])
-            out.index_add_(0, token, y * weights[token, slot, None])
+        flat = flat.to(self.w13.dtype)
+        out = experts(flat, ids, weights, self.w13, self.w2)
         if self.shared is not None:
-            out += swiglu(x, *self.shared)
+            out = out + swiglu(flat, *self.shared).float()
         return self.comm.all_reduce(out).view(shape)
+
+    def decode(self, x: Tensor) -> Tensor:
+        return self._forward(x, experts_gathered)
+
+    def prefill(self, x: Tensor) -> Tensor:
+        return self._forward(x, experts_grouped)
 
 
 class DenseMLP:
-    def __init__(self, w: dict[str, Tensor], prefix: str, comm):
-        self.weights = tuple(w[prefix + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    def __init__(self, w, prefix: str, comm):
+        self.gate_up, self.down = w(prefix + "gate_up_proj.weight"), w(prefix + "down_proj.weight")
         self.comm = comm
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(swiglu(x.to(self.weights[0].dtype), *self.weights).float())
+        return self.comm.all_reduce(swiglu(x.to(self.gate_up.dtype), self.gate_up, self.down).float())
+
+    decode = prefill = __call__

@@ -1,9 +1,14 @@
-"""The two collectives the model needs: sum partial outputs of row-parallel layers, gather vocab-split logits."""
+"""The collectives the model needs: sum partial outputs of row-parallel layers, and bring vocab-split logits (or just
+their top-k) to every rank. Each is one call with static shapes, so a captured step holds them."""
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..weights.tp_plan import shard_range
+
+# torch >= 2.12 names it all_gather_single; older releases all_gather_into_tensor (same semantics)
+_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TPComm:
@@ -12,19 +17,42 @@ class TPComm:
         self.vocab_start, self.vocab_stop = shard_range(vocab_size, world, rank)
         self.vocab_shard = shard_range(vocab_size, world, 0)[1]  # ceil(V / world): every rank's padded width
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: Tensor) -> Tensor:
         """Sum partial results over ranks (after every row-parallel projection), in place; callers pass fp32."""
         if self.world > 1:
             dist.all_reduce(x)
         return x
 
-    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
-        """[..., V_local] -> [..., V]: pad each rank's slice to the common width, all-gather, trim."""
+    def _gather(self, local: Tensor) -> Tensor:
+        """[B, n] on every rank -> [world, B, n]: one gather into a single tensor (ranks stacked along dim 0)."""
+        out = local.new_empty(self.world * local.shape[0], *local.shape[1:])
+        _GATHER(out, local.contiguous())
+        return out.view(self.world, *local.shape)
+
+    def gather_logits(self, local: Tensor) -> Tensor:
+        """[..., V_local] -> [..., V]: pad each rank's slice to the common width, gather, trim."""
         if self.world == 1:
             return local
+        lead = local.shape[:-1]
+        local = local.reshape(-1, local.shape[-1])
         pad = self.vocab_shard - local.shape[-1]
         if pad:
-            local = torch.nn.functional.pad(local, (0, pad))
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+            local = torch.nn.functional.pad(local, (0, pad), value=float("-inf"))
+        parts = self._gather(local)  # [world, N, V_shard]
+        return parts.permute(1, 0, 2).reshape(*lead, -1)[..., : self.vocab_size]
+
+    def gather_topk(self, local: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k largest logits over the whole vocab and their token ids, from each rank's own top-k only.
+
+        local: [B, V_local]. Returns (values [B, k] fp32, ids [B, k] int64), best first.
+        """
+        k_local = min(k, local.shape[-1])
+        values, ids = local.float().topk(k_local, dim=-1)
+        if self.world == 1:
+            return values, ids
+        values = torch.nn.functional.pad(values, (0, k - k_local), value=float("-inf"))
+        ids = torch.nn.functional.pad(ids + self.vocab_start, (0, k - k_local))
+        all_values = self._gather(values).permute(1, 0, 2).reshape(local.shape[0], -1)
+        all_ids = self._gather(ids).permute(1, 0, 2).reshape(local.shape[0], -1)
+        best, where = all_values.topk(k, dim=-1)
+        return best, all_ids.gather(1, where)

@@ -14,32 +14,26 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
+from ..dtypes import BY_CODE, ELEMENT_BITS
 from ..errors import K3Error
 from .schema import canonical_name, expected_tensors
-from .tp_plan import DTYPE_BYTES
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # safetensors' own limit on the header length
-# Bits per element of every safetensors dtype, to explain a header that safetensors refused.
-ELEMENT_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8}
-ELEMENT_BITS |= {"F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32}
-ELEMENT_BITS |= {"I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 @dataclass(frozen=True)
 class TensorEntry:
     name: str  # canonical name
     key: str  # name in the file
-    file: str  # file name relative to the model dir
+    file: str | None  # file name relative to the model dir; None when planned from the config alone
     shape: tuple[int, ...]
-    dtype: str  # safetensors dtype string
-
-    def as_plan_input(self):
-        return self.name, self.key, self.file, self.shape, self.dtype
+    dtype: str  # safetensors dtype code
 
 
 @dataclass(frozen=True)
 class Inventory:
+    config: ModelConfig
     model_dir: Path
     files: tuple[str, ...]
     entries: dict[str, TensorEntry]
@@ -50,9 +44,6 @@ class Inventory:
     def fingerprint(self) -> str:
         """One digest of every file's header, exchanged in the agreement to catch ranks seeing other checkpoints."""
         return hashlib.sha256(json.dumps(self.file_digests, sort_keys=True).encode()).hexdigest()
-
-    def plan_inputs(self):
-        return [e.as_plan_input() for e in self.entries.values()]
 
 
 def inside(model_dir: Path, name: str, what: str) -> Path:
@@ -183,7 +174,7 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         digests[name] = header_digest(path, size)
     _check(model_dir, cfg, found, index)
     ordered = {n: found[n] for n in expected_tensors(cfg)}
-    return Inventory(model_dir, tuple(files), ordered, digests, total)
+    return Inventory(cfg, model_dir, tuple(files), ordered, digests, total)
 
 
 def _check(model_dir: Path, cfg: ModelConfig, found: dict[str, TensorEntry], index: dict | None) -> None:
@@ -199,10 +190,9 @@ def _check(model_dir: Path, cfg: ModelConfig, found: dict[str, TensorEntry], ind
                 f"{model_dir / entry.file}: tensor {entry.key} has shape {list(entry.shape)}, "
                 f"the config needs {list(shape)}"
             )
-        elif entry.dtype not in DTYPE_BYTES:
+        elif entry.dtype not in BY_CODE:
             problems.append(
-                f"{model_dir / entry.file}: tensor {entry.key} has dtype {entry.dtype}, "
-                f"supported: {sorted(DTYPE_BYTES)}"
+                f"{model_dir / entry.file}: tensor {entry.key} has dtype {entry.dtype}, supported: {sorted(BY_CODE)}"
             )
         elif index is not None and index.get(entry.key) not in (None, entry.file):
             problems.append(

@@ -17,12 +17,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..dist import Runtime, agree
+from ..dtypes import BY_CODE
 from ..errors import K3Error
 from ..faults import Faults
 from ..units import fmt_bytes
 from .inventory import Inventory
 from .memory import MemoryPlan, detect_free, memory_plan
-from .tp_plan import TORCH_DTYPES, ShardPlan, copy_shard, plan_rank, store_shapes
+from .tp_plan import ShardPlan, copy_shard, plan_rank, store_shapes
 
 log = logging.getLogger("k3dist")
 
@@ -46,17 +47,18 @@ def preflight(
     rt: Runtime,
     compute_dtype: torch.dtype,
     cache: int,
+    runtime: int,
     reserve: int,
     free: int | None,
     faults: Faults,
 ) -> tuple[list[ShardPlan], MemoryPlan, list[dict]]:
     """Plan this rank, check it fits, and agree with every rank on the verdict and the checkpoint headers."""
-    plans = plan_rank(inv.plan_inputs(), rt.world, rt.rank, compute_dtype)
+    plans = plan_rank(inv.config, inv.entries.values(), rt.world, rt.rank, compute_dtype)
     if faults.mine(rt.rank) and faults.free is not None:
         free = faults.free
     if free is None:
         free = detect_free(rt.device, rt.local_world)
-    mp = memory_plan(rt.rank, plans, cache, reserve, free)
+    mp = memory_plan(rt.rank, plans, cache, reserve, free, runtime)
     log.info("k3_weight_plan " + " ".join(f"{k}={v}" for k, v in mp.as_dict().items()))
     statuses = agree(
         "preflight",
@@ -102,16 +104,20 @@ class _Upload:
         self.baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     def place(self, plan: ShardPlan, piece: torch.Tensor, shapes: dict) -> None:
-        if plan.slot is None:
-            out = piece.to(device=self.device, dtype=plan.dtype, non_blocking=False)
-            self.tensors[plan.dest] = out
-        else:
-            out = self.tensors.get(plan.dest)
-            if out is None:
-                shape, dtype = shapes[plan.dest]
-                out = self.tensors[plan.dest] = torch.empty(shape, dtype=dtype, device=self.device)
-            out[plan.slot].copy_(piece)
-        self.refs.append(weakref.ref(out))
+        """Put one rank-local slice where the plan says: its own tensor, or its slot/rows of a stacked or fused one."""
+        if plan.plain:
+            out = self.tensors[plan.dest] = piece.to(device=self.device, dtype=plan.dtype, non_blocking=False)
+            self.refs.append(weakref.ref(out))
+            return
+        out = self.tensors.get(plan.dest)
+        if out is None:
+            shape, dtype = shapes[plan.dest]
+            out = self.tensors[plan.dest] = torch.empty(shape, dtype=dtype, device=self.device)
+            self.refs.append(weakref.ref(out))
+        target = out if plan.slot is None else out[plan.slot]
+        if plan.row is not None:
+            target = target[plan.row : plan.row + plan.local_shape[0]]
+        target.copy_(piece.view(target.shape))
 
     def free_all(self) -> tuple[int, int]:
         """Drop everything; returns (tensors freed, live allocations left) measured after collection."""
@@ -151,7 +157,7 @@ def upload(inv: Inventory, plans: list[ShardPlan], rt: Runtime, faults: Faults) 
                     current = f"at tensor {p.name} of {path}"
                     faults.at_tensor(rt.rank, i, p.name)
                     piece = copy_shard(handle, p)
-                    if piece.dtype != TORCH_DTYPES[p.src_dtype] or tuple(piece.shape) != p.local_shape:
+                    if piece.dtype != BY_CODE[p.src_dtype].torch or tuple(piece.shape) != p.local_shape:
                         raise K3Error(
                             f"{path}: tensor {p.key} read as {piece.dtype} {list(piece.shape)}, "
                             f"planned {p.src_dtype} {list(p.local_shape)}"
@@ -210,11 +216,12 @@ def load_weights(
     reserve: int,
     free: int | None = None,
     faults: Faults | None = None,
+    runtime: int = 0,
 ) -> WeightStore:
     """The whole pipeline after the inventory: preflight + agreement, upload, post-upload agreement."""
     faults = faults or Faults()
     start = time.perf_counter()
-    plans, memory, all_memory = preflight(inv, rt, compute_dtype, cache, reserve, free, faults)
+    plans, memory, all_memory = preflight(inv, rt, compute_dtype, cache, runtime, reserve, free, faults)
     error, tensors = None, {}
     try:
         tensors = upload(inv, plans, rt, faults)

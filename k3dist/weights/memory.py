@@ -1,4 +1,4 @@
-"""Per-rank memory plan (the figures of DESIGN.md) and free-memory detection (CUDA, or cgroup-aware host RAM)."""
+"""Per-rank memory plan (docs/memory.md) and free-memory detection (CUDA, or cgroup-aware host RAM)."""
 
 import os
 import resource
@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
 from ..units import fmt_bytes
 from .tp_plan import ShardPlan
 
@@ -21,13 +20,21 @@ class MemoryPlan:
     staging_peak: int  # largest single upload (host staging of one slice)
     derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights)
     cache_bytes: int  # KDA state + MLA latent for batch x cap
+    runtime_bytes: int  # activations of one prefill chunk, logits and sampling buffers, workspaces (runtime.py)
     reserve: int  # explicit headroom
     free: int  # memory available to this rank
     tensors: int
 
     @property
     def admitted(self) -> int:
-        return self.local_bytes + self.derived_bytes + self.staging_peak + self.cache_bytes + self.reserve
+        return (
+            self.local_bytes
+            + self.derived_bytes
+            + self.staging_peak
+            + self.cache_bytes
+            + self.runtime_bytes
+            + self.reserve
+        )
 
     @property
     def fits(self) -> bool:
@@ -40,20 +47,15 @@ class MemoryPlan:
         return (
             f"rank {self.rank} needs admitted {fmt_bytes(self.admitted)} > free {fmt_bytes(self.free)} "
             f"(local {fmt_bytes(self.local_bytes)} + derived {fmt_bytes(self.derived_bytes)} + staging "
-            f"{fmt_bytes(self.staging_peak)} + cache {fmt_bytes(self.cache_bytes)} + reserve "
+            f"{fmt_bytes(self.staging_peak)} + cache {fmt_bytes(self.cache_bytes)} + runtime "
+            f"{fmt_bytes(self.runtime_bytes)} + reserve "
             f"{fmt_bytes(self.reserve)}; short by {fmt_bytes(self.admitted - self.free)})"
         )
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, cap: int, world: int, dtype: torch.dtype) -> int:
-    """Device bytes of the resident hybrid cache on one rank (DESIGN.md: Resident hybrid cache)."""
-    kda_conv = batch * 3 * (cfg.kda_dim // world) * (cfg.conv_kernel - 1) * dtype.itemsize
-    kda_state = batch * (cfg.kda_heads // world) * cfg.kda_head_dim**2 * 4
-    mla = batch * cap * (cfg.kv_lora_rank + cfg.qk_rope_dim) * dtype.itemsize
-    return cfg.count(mixer="kda") * (kda_conv + kda_state) + cfg.count(mixer="mla") * mla
-
-
-def memory_plan(rank: int, plans: list[ShardPlan], cache: int, reserve: int, free: int, derived: int = 0) -> MemoryPlan:
+def memory_plan(
+    rank: int, plans: list[ShardPlan], cache: int, reserve: int, free: int, runtime: int = 0, derived: int = 0
+) -> MemoryPlan:
     return MemoryPlan(
         rank=rank,
         source_bytes=sum(p.source_bytes for p in plans),
@@ -62,6 +64,7 @@ def memory_plan(rank: int, plans: list[ShardPlan], cache: int, reserve: int, fre
         staging_peak=max((p.source_bytes for p in plans), default=0),
         derived_bytes=derived,
         cache_bytes=cache,
+        runtime_bytes=runtime,
         reserve=reserve,
         free=free,
         tensors=len(plans),
@@ -109,3 +112,12 @@ def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def default_reserve(device: torch.device) -> int:
+    """memory.reserve when none is given: 0 on CPU (the plan's host allowance covers library state); on CUDA 2 GiB
+    plus 3% of the device, for the caching allocator's block rounding and fragmentation and for NCCL/cuBLAS growth
+    beyond the plan's workspace term (docs/memory.md says how to check it against max_memory_reserved)."""
+    if device.type != "cuda":
+        return 0
+    return 2 * 2**30 + torch.cuda.get_device_properties(device).total_memory * 3 // 100

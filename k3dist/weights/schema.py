@@ -1,8 +1,17 @@
-"""The tensors a Kimi-Linear checkpoint must hold, by original Hugging Face name, with their full shapes.
+"""The tensors a Kimi-Linear checkpoint must hold (original Hugging Face names, full shapes), and where each one
+lands in the weight store.
 
-The dense layer-0 MLP is canonically `mlp.`; transformers 5.x `save_pretrained` writes `block_sparse_moe.`
-for it, which the inventory accepts and maps back (docs/kimi-linear.md, pitfall 12).
+The dense layer-0 MLP is canonically `mlp.`; transformers 5.x `save_pretrained` writes `block_sparse_moe.` for it,
+which the inventory accepts and maps back (docs/model.md).
+
+Store layout: small projections that read the same input are fused into one buffer, row after row, so a decode step
+runs one GEMV where the checkpoint has several (KDA q/k/v/f_a/g_a/b; MLA q and kv_a; gate and up of dense and shared
+MLPs; each expert's w1 and w3), and tensors of one kind are stacked along a leading dim (the three short convs, the
+experts). The loader places every rank-local slice straight into its place: no second copy, `derived_bytes` stays 0.
 """
+
+from dataclasses import dataclass
+from functools import cache
 
 from ..config import ModelConfig
 
@@ -91,3 +100,42 @@ def canonical_name(key: str) -> str:
 
 def keeps_fp32(name: str) -> bool:
     return name.endswith(FP32_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a checkpoint tensor lands: store key `dest`, stack index `slot`, part number `part` of a fused buffer."""
+
+    dest: str
+    slot: int | None = None
+    part: int | None = None
+
+
+KDA_FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")  # all read the normed input
+
+
+@cache
+def placements(cfg: ModelConfig) -> dict[str, Placement]:
+    """Canonical name -> placement, for every tensor that is not simply its own store entry."""
+    out: dict[str, Placement] = {}
+    for spec in cfg.layers:
+        a = f"model.layers.{spec.index}.self_attn."
+        if spec.mixer == "kda":
+            out |= {f"{a}{n}.weight": Placement(a + "in_proj.weight", part=i) for i, n in enumerate(KDA_FUSED_IN)}
+            out |= {f"{a}{n}_conv1d.weight": Placement(a + "conv1d.weight", slot=i) for i, n in enumerate("qkv")}
+            out |= {f"{a}{n}_b_proj.weight": Placement(a + "fg_b_proj.weight", slot=i) for i, n in enumerate("fg")}
+        else:
+            out[a + "q_proj.weight"] = Placement(a + "q_kv_a_proj.weight", part=0)
+            out[a + "kv_a_proj_with_mqa.weight"] = Placement(a + "q_kv_a_proj.weight", part=1)
+        m = f"model.layers.{spec.index}." + ("mlp." if spec.mlp == "dense" else "block_sparse_moe.shared_experts.")
+        out |= {
+            f"{m}{n}.weight": Placement(m + "gate_up_proj.weight", part=i)
+            for i, n in enumerate(("gate_proj", "up_proj"))
+        }
+        if spec.mlp == "moe":
+            x = f"model.layers.{spec.index}.block_sparse_moe.experts."
+            for e in range(cfg.num_experts):
+                out[f"{x}{e}.w1.weight"] = Placement(x + "w13", slot=e, part=0)
+                out[f"{x}{e}.w3.weight"] = Placement(x + "w13", slot=e, part=1)
+                out[f"{x}{e}.w2.weight"] = Placement(x + "w2", slot=e)
+    return out

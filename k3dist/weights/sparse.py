@@ -11,15 +11,14 @@ import math
 from pathlib import Path
 
 from ..config import parse_config
+from ..dtypes import BY_NAME, COMPUTE
 from .schema import expected_tensors
 from .twin import shard_layout, write_index
-
-SAFETENSORS_DTYPE = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 
 def write_sparse(raw_config: dict, out_dir: str | Path, dtype: str = "bfloat16", shard_bytes: int = 5 * 10**9) -> Path:
     schema = expected_tensors(parse_config(raw_config))
-    code, itemsize = SAFETENSORS_DTYPE[dtype]
+    code, itemsize = BY_NAME[dtype].code, BY_NAME[dtype].itemsize
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = shard_layout(schema, itemsize, shard_bytes)
@@ -43,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--config", type=Path, default=default, help="config.json to lay out (default: the real 48B)")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(SAFETENSORS_DTYPE))
+    ap.add_argument("--dtype", default="bfloat16", choices=COMPUTE)
     args = ap.parse_args()
     out = write_sparse(json.loads(args.config.read_text()), args.out_dir, args.dtype)
     apparent = sum(p.stat().st_size for p in out.iterdir())

@@ -1,17 +1,21 @@
-"""Tensor-parallel sharding policy (one table, DESIGN.md) and the per-rank plan computed from it.
+"""Tensor-parallel sharding policy (one table) and the per-rank plan computed from it.
 
-The plan is the single truth for the loader (what to read), the model (local shapes), the memory verdict and
-the what-if report. `copy_shard` reads only the rank-local bytes through safetensors' lazy slices.
+The plan is the single truth for the loader (what to read and where it lands), the model (local shapes), the memory
+verdict and the what-if report. `copy_shard` reads only the rank-local bytes through safetensors' lazy slices.
 """
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..config import ModelConfig
+from ..dtypes import BY_CODE
 from ..errors import K3Error
-from .schema import keeps_fp32
+from .inventory import TensorEntry
+from .schema import Placement, keeps_fp32, placements
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,6 @@ POLICY: tuple[tuple[str, Axis], ...] = (
     (r"\.(gate_proj|up_proj)\.weight$", COLUMN),  # dense MLP and shared experts
     (r"\.down_proj\.weight$", ROW),
 )
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
-
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 def axis_of(name: str) -> Axis:
@@ -68,7 +68,7 @@ def shard_range(size: int, world: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One tensor on one rank: which bytes to read, what is kept, and where it goes in the weight store."""
+    """One tensor on one rank: which bytes to read, what is kept, and where it lands in the weight store."""
 
     name: str  # canonical checkpoint name
     key: str  # name inside the file (may differ for the dense MLP, see schema.canonical_name)
@@ -78,10 +78,11 @@ class ShardPlan:
     stop: int
     full_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
-    src_dtype: str  # safetensors dtype string on disk
+    src_dtype: str  # safetensors dtype code on disk
     dtype: torch.dtype  # dtype kept on the device
-    dest: str  # weight-store key (experts are stacked: `...experts.w1` [E, *local])
-    slot: int | None  # index in a stacked destination
+    dest: str  # weight-store key
+    slot: int | None  # index along the destination's stacked leading dim (experts, the three convs)
+    row: int | None  # first row in a row-fused destination (q/k/v/f_a/g_a/b of a KDA layer, ...); None: not fused
 
     @property
     def numel(self) -> int:
@@ -89,41 +90,88 @@ class ShardPlan:
 
     @property
     def source_bytes(self) -> int:
-        return self.numel * DTYPE_BYTES[self.src_dtype]
+        return self.numel * BY_CODE[self.src_dtype].itemsize
 
     @property
     def local_bytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @property
+    def plain(self) -> bool:
+        """The tensor is its own store entry (neither stacked nor fused)."""
+        return self.slot is None and self.row is None
 
-def plan_tensor(name, key, file, shape, src_dtype, world, rank, compute_dtype) -> ShardPlan:
-    axis = axis_of(name)
-    start, stop, local = 0, None, tuple(shape)
+
+def plan_tensor(
+    entry: TensorEntry,
+    world: int,
+    rank: int,
+    compute_dtype: torch.dtype,
+    placement: Placement | None = None,
+    row: int | None = None,
+) -> ShardPlan:
+    """One tensor's plan on one rank. `row` is its first row in a fused destination (plan_rank computes it)."""
+    axis = axis_of(entry.name)
+    start, stop, local = 0, 0, tuple(entry.shape)
     if axis.dim is not None:
-        start, stop = shard_range(shape[axis.dim], world, rank)
-        local = tuple(stop - start if i == axis.dim else n for i, n in enumerate(shape))
-    dtype = torch.float32 if keeps_fp32(name) else compute_dtype
-    m = _EXPERT.match(name)
-    dest, slot = (f"{m.group(1)}.{m.group(3)}", int(m.group(2))) if m else (name, None)
+        start, stop = shard_range(entry.shape[axis.dim], world, rank)
+        local = tuple(stop - start if i == axis.dim else n for i, n in enumerate(entry.shape))
+    placement = placement or Placement(entry.name)
     return ShardPlan(
-        name, key, file, axis, start, stop if stop is not None else 0, tuple(shape), local, src_dtype, dtype, dest, slot
+        name=entry.name,
+        key=entry.key,
+        file=entry.file,
+        axis=axis,
+        start=start,
+        stop=stop,
+        full_shape=tuple(entry.shape),
+        local_shape=local,
+        src_dtype=entry.dtype,
+        dtype=torch.float32 if keeps_fp32(entry.name) else compute_dtype,
+        dest=placement.dest,
+        slot=placement.slot,
+        row=row,
     )
 
 
-def plan_rank(tensors, world: int, rank: int, compute_dtype: torch.dtype) -> list[ShardPlan]:
-    """`tensors`: iterable of (name, key, file, shape, src_dtype) -> this rank's plan, one entry per tensor."""
-    return [plan_tensor(*t, world, rank, compute_dtype) for t in tensors]
+def plan_rank(
+    cfg: ModelConfig, entries: Iterable[TensorEntry], world: int, rank: int, compute_dtype: torch.dtype
+) -> list[ShardPlan]:
+    """This rank's plan, one entry per tensor, with fused tensors' rows laid out part after part."""
+    where = placements(cfg)
+    entries = list(entries)
+    plans = [plan_tensor(e, world, rank, compute_dtype, where.get(e.name)) for e in entries]
+    parts: dict[str, list[tuple[int, int]]] = {}  # fused dest -> (part, index in plans)
+    for i, e in enumerate(entries):
+        placed = where.get(e.name)
+        if placed is not None and placed.part is not None:
+            parts.setdefault(placed.dest, []).append((placed.part, i))
+    for members in parts.values():
+        row, seen = 0, {}
+        for part, i in sorted(members, key=lambda m: (m[0], plans[m[1]].slot or 0)):
+            if part not in seen:  # stacked and fused (experts' w1/w3): every slot starts its parts at the same row
+                seen[part], row = row, row + plans[i].local_shape[0]
+            plans[i] = replace(plans[i], row=seen[part])
+    return plans
 
 
 def store_shapes(plans: list[ShardPlan]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Weight-store key -> (local shape, dtype); stacked expert buffers get a leading expert dimension."""
-    experts: dict[str, int] = {}
+    """Weight-store key -> (local shape, dtype): stacked destinations get a leading slot dim, fused ones the sum of
+    their parts' rows."""
+    slots: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    first: dict[str, ShardPlan] = {}
     for p in plans:
+        first.setdefault(p.dest, p)
         if p.slot is not None:
-            experts[p.dest] = max(experts.get(p.dest, 0), p.slot + 1)
-    return {
-        p.dest: ((experts[p.dest], *p.local_shape) if p.slot is not None else p.local_shape, p.dtype) for p in plans
-    }
+            slots[p.dest] = max(slots.get(p.dest, 0), p.slot + 1)
+        if p.row is not None:
+            rows[p.dest] = max(rows.get(p.dest, 0), p.row + p.local_shape[0])
+    shapes = {}
+    for dest, p in first.items():
+        shape = p.local_shape if dest not in rows else (rows[dest], *p.local_shape[1:])
+        shapes[dest] = ((slots[dest], *shape) if dest in slots else shape, p.dtype)
+    return shapes
 
 
 def copy_shard(handle, plan: ShardPlan) -> torch.Tensor:

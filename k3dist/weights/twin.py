@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import parse_config
+from ..dtypes import BY_NAME
 from .inventory import INDEX
 from .schema import expected_tensors
 
 log = logging.getLogger("k3dist")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def cache_root() -> Path:
@@ -73,7 +73,7 @@ def write_checkpoint(
     schema = expected_tensors(parse_config(raw_config))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = BY_NAME[dtype].torch
     gen = torch.Generator().manual_seed(seed)
     layout = shard_layout(schema, torch_dtype.itemsize, shard_bytes)
     for file, names in layout.items():

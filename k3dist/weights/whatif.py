@@ -6,21 +6,31 @@ Plans from an inventory when there is a checkpoint (real or sparse), or from the
 import torch
 
 from ..config import ModelConfig
-from .inventory import Inventory
+from ..dtypes import BY_NAME
+from .inventory import Inventory, TensorEntry
 from .memory import MemoryPlan, memory_plan
 from .schema import expected_tensors
 from .tp_plan import plan_rank
 
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+def config_entries(cfg: ModelConfig) -> list[TensorEntry]:
+    """The tensors the schema expects, every one in the config's dtype, in no file."""
+    code = BY_NAME[cfg.dtype].code
+    return [TensorEntry(n, n, None, s, code) for n, s in expected_tensors(cfg).items()]
 
 
-def config_inputs(cfg: ModelConfig) -> list[tuple]:
-    """Plan inputs from the schema alone: every tensor in the config's dtype, no file."""
-    return [(n, n, None, s, SAFETENSORS_DTYPES[cfg.dtype]) for n, s in expected_tensors(cfg).items()]
-
-
-def plan_world(
-    cfg: ModelConfig, inv: Inventory | None, world: int, compute_dtype: torch.dtype, cache: int, reserve: int, free: int
+def plan_all_ranks(
+    cfg: ModelConfig,
+    inv: Inventory | None,
+    world: int,
+    compute_dtype: torch.dtype,
+    cache_bytes: int,
+    reserve: int,
+    free: int,
+    runtime_bytes: int = 0,
 ) -> list[MemoryPlan]:
-    inputs = inv.plan_inputs() if inv is not None else config_inputs(cfg)
-    return [memory_plan(r, plan_rank(inputs, world, r, compute_dtype), cache, reserve, free) for r in range(world)]
+    entries = list(inv.entries.values()) if inv is not None else config_entries(cfg)
+    return [
+        memory_plan(r, plan_rank(cfg, entries, world, r, compute_dtype), cache_bytes, reserve, free, runtime_bytes)
+        for r in range(world)
+    ]

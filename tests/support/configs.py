@@ -4,7 +4,7 @@ import copy
 import json
 from pathlib import Path
 
-TWIN = Path(__file__).resolve().parent.parent / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
+TWIN = Path(__file__).resolve().parents[2] / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
 
 
 def twin_config() -> dict:

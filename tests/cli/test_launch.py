@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from .cli import ROOT, error_lines, run_cli
+from tests.support.cli_run import ROOT, error_lines, run_cli
 
 FIELDS = {
     "world_size",
@@ -20,6 +20,9 @@ FIELDS = {
     "prefill_seconds",
     "decode_tokens_per_second",
     "step_ms",
+    "text",
+    "finish_reason",
+    "warmup_seconds",
 }
 PLAN_FIELDS = {
     "source_bytes",
@@ -28,6 +31,7 @@ PLAN_FIELDS = {
     "staging_peak",
     "derived_bytes",
     "cache_bytes",
+    "runtime_bytes",
     "reserve",
     "admitted",
     "free",
@@ -113,7 +117,8 @@ def test_only_rank0_owns_a_run_dir(fp32_runs):
 def test_cap_too_small_is_refused_up_front(k3_cache, tmp_path):
     rc, text, _ = run_cli(tmp_path, "cache.cap=20", "generate.prompt_len=16", "generate.max_new_tokens=8")
     assert rc != 0 and error_lines(text) == [
-        "error: prompt of 16 tokens + generate.max_new_tokens=8 exceeds cache.cap=20 (raise cache.cap to at least 24)"
+        "error: prompts failed on 1 of 1 ranks: rank 0: request seq-0: prompt of 16 tokens + max_new_tokens=8 exceeds "
+        "cache.cap=20 (raise cache.cap to at least 24)"
     ]
     assert "k3_weight_plan" not in text
 

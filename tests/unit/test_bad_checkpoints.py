@@ -30,10 +30,9 @@ from k3dist.config import load_config, validate_topology
 from k3dist.errors import K3Error
 from k3dist.weights.inventory import INDEX, scan
 from k3dist.weights.twin import write_checkpoint
+from tests.support.configs import small_config
 
-from .configs import small_config
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHARD = "model-00002-of-00004.safetensors"  # the file most cases corrupt (a middle one)
 
 

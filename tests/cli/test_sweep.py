@@ -8,9 +8,8 @@ import sys
 import pytest
 
 from k3dist.weights.twin import write_checkpoint
-
-from .cli import ROOT, error_lines
-from .configs import small_config
+from tests.support.cli_run import ROOT, error_lines
+from tests.support.configs import small_config
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ from k3dist import dist
 from k3dist.config import load_config
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
+from k3dist.weights.tp_plan import plan_rank
 from k3dist.weights.twin import write_checkpoint
 
-from .cli import error_lines, run_cli
-from .configs import small_config
-from .ranks import expect_ok, run_ranks
+from tests.support.cli_run import error_lines, run_cli
+from tests.support.configs import small_config
+from tests.support.ranks import expect_ok, run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,8 @@ def _check_shards(model_dir: str) -> int:
         full |= load_file(f"{model_dir}/{file}")
     for p in store.plans:
         mine = store[p.dest] if p.slot is None else store[p.dest][p.slot]
+        if p.row is not None:  # a part of a fused destination (schema.placements)
+            mine = mine[p.row : p.row + p.local_shape[0]]
         expected = full[p.key].float()
         if p.axis.dim is not None:
             expected = expected.narrow(p.axis.dim, p.start, p.stop - p.start)
@@ -79,4 +82,7 @@ def test_allocation_failure_frees_everything_and_stops_all_ranks(small_dir, tmp_
     lines = error_lines(text)
     assert rc != 0 and len(lines) == 2 and lines[0] == lines[1], text
     assert "upload failed on 1 of 2 ranks: rank 1: allocation failed" in lines[0]
-    assert f"k3_weight_cleanup rank=1 freed={at} live=0" in text  # measured through weak references
+    cfg = load_config(small_dir)
+    placed = len({p.dest for p in plan_rank(cfg, scan(small_dir, cfg).entries.values(), 2, 1, torch.bfloat16)[:at]})
+    assert at == 0 or placed > 0
+    assert f"k3_weight_cleanup rank=1 freed={placed} live=0" in text  # measured through weak references

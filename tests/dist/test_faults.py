@@ -26,9 +26,9 @@ from k3dist.weights.loader import load_weights
 from k3dist.weights.tp_plan import plan_rank
 from k3dist.weights.twin import write_checkpoint
 
-from .cli import error_lines, run_cli
-from .configs import small_config
-from .ranks import expect_ok, run_ranks
+from tests.support.cli_run import error_lines, run_cli
+from tests.support.configs import small_config
+from tests.support.ranks import expect_ok, run_ranks
 
 TIMEOUT_S = 3  # dist.timeout_s of the CLI runs: how long a survivor waits on a lost rank
 BOUND = 90  # seconds any one CLI run may take, startup of three Python processes on a busy 2-core box included
@@ -150,7 +150,7 @@ def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
     rt = dist.init("gloo", "cpu", 30)
     cfg = load_config(model_dir)
     inv = scan(model_dir, cfg)
-    plans = plan_rank(inv.plan_inputs(), rt.world, rt.rank, torch.float32)
+    plans = plan_rank(cfg, inv.entries.values(), rt.world, rt.rank, torch.float32)
     events, out = Events(), []
     for kind, rank, index in cases:
         census = _weight_objects if rank == rt.rank else lambda: None

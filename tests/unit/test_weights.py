@@ -21,8 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3dist.config import load_config, parse_config, validate_topology
+from k3dist.dtypes import BY_CODE
 from k3dist.errors import K3Error
-from k3dist.weights.inventory import INDEX, scan
+from k3dist.weights.inventory import INDEX, TensorEntry, scan
 from k3dist.weights.schema import expected_tensors, keeps_fp32
 from k3dist.weights.tp_plan import (
     COLUMN,
@@ -30,7 +31,6 @@ from k3dist.weights.tp_plan import (
     POLICY,
     REPLICATED,
     ROW,
-    TORCH_DTYPES,
     VOCAB,
     copy_shard,
     plan_rank,
@@ -38,12 +38,10 @@ from k3dist.weights.tp_plan import (
     store_shapes,
 )
 from k3dist.weights.twin import write_checkpoint
-from k3dist.weights.whatif import config_inputs, plan_world
+from k3dist.weights.whatif import config_entries, plan_all_ranks
+from tests.support.configs import small_config
 
-from .configs import small_config
-from .ranks import expect_ok, run_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "k3dist" / "configs"
 TWIN_CONFIG = CONFIGS / "Kimi-K3-0.40B-config.json"
 REAL_CONFIG = CONFIGS / "Kimi-Linear-48B-A3B-config.json"
@@ -101,10 +99,10 @@ def test_copy_shard_slices_and_reassembles_every_axis(case):
         shards, covered = [], 0
         with safe_open(path, framework="pt") as handle:
             for rank in range(world):
-                plan = plan_tensor(name, name, "t.safetensors", shape, src, world, rank, compute)
+                plan = plan_tensor(TensorEntry(name, name, "t.safetensors", shape, src), world, rank, compute)
                 piece = copy_shard(handle, plan)
                 assert plan.axis == axis and plan.full_shape == shape
-                assert piece.dtype == ST_DTYPES[src] == TORCH_DTYPES[plan.src_dtype]
+                assert piece.dtype == ST_DTYPES[src] == BY_CODE[plan.src_dtype].torch
                 assert tuple(piece.shape) == plan.local_shape
                 # owned, contiguous, exactly the local bytes (no view of the whole tensor or of the file)
                 assert piece.is_contiguous() and piece.untyped_storage().nbytes() == piece.numel() * piece.itemsize
@@ -145,7 +143,7 @@ def test_copy_shard_owns_only_local_bytes_and_does_not_alias_the_file(tmp_path, 
     shape = (4096, 8192)  # bf16: 64 MiB
     path = tmp_path / "big.safetensors"
     full = _big_tensor(str(path), name, shape)
-    plan = plan_tensor(name, name, path.name, shape, "BF16", world, rank, torch.bfloat16)
+    plan = plan_tensor(TensorEntry(name, name, path.name, shape, "BF16"), world, rank, torch.bfloat16)
     with safe_open(path, framework="pt") as handle:
         piece = copy_shard(handle, plan)
     local = full.numel() * 2 // world
@@ -169,6 +167,7 @@ _PROTECTED_READ = r"""
 import ctypes, json, mmap, os, struct, sys
 import torch
 from safetensors import safe_open
+from k3dist.weights.inventory import TensorEntry
 from k3dist.weights.tp_plan import copy_shard, plan_tensor
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -186,7 +185,7 @@ def shard_under_protection(path, name, rows, cols, control):
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         base = 8 + n + json.loads(f.read(n))[name]["data_offsets"][0]
-    plan = plan_tensor(name, name, "f", (rows, cols), "BF16", world, rank, torch.bfloat16)
+    plan = plan_tensor(TensorEntry(name, name, "f", (rows, cols), "BF16"), world, rank, torch.bfloat16)
     with safe_open(path, framework="pt") as handle:
         maps = mapping(path)
         if not maps:
@@ -301,8 +300,8 @@ def test_tp_plan_table_on_the_twin_at_world_2():
     table = _design_table(cfg)
     schema = expected_tensors(cfg)
     assert set(table) == set(schema)  # the restated table covers every tensor of the twin, nothing more
-    inputs = config_inputs(cfg)
-    ranks = [plan_rank(inputs, 2, r, torch.bfloat16) for r in range(2)]
+    inputs = config_entries(cfg)
+    ranks = [plan_rank(cfg, inputs, 2, r, torch.bfloat16) for r in range(2)]
     dims = {"vocab": 0, "column": 0, "row": 1, "heads": 2, "replicated": None}
     for i, (name, shape) in enumerate(schema.items()):
         plans = [ranks[r][i] for r in range(2)]
@@ -338,9 +337,23 @@ def test_tp_plan_table_on_the_twin_at_world_2():
     assert by["lm_head.weight"].local_shape == by["model.embed_tokens.weight"].local_shape == (81920, 1024)
     router = by["model.layers.1.block_sparse_moe.gate.weight"]
     assert router.local_shape == (16, 1024) and router.dtype == torch.float32
+    # the store: fused and stacked destinations, each slice at its rows (schema.placements)
     shapes = store_shapes(ranks[1])
-    assert shapes["model.layers.1.block_sparse_moe.experts.w1"] == ((16, 32, 1024), torch.bfloat16)
+    assert shapes["model.layers.1.block_sparse_moe.experts.w13"] == ((16, 64, 1024), torch.bfloat16)
     assert shapes["model.layers.1.block_sparse_moe.experts.w2"] == ((16, 1024, 32), torch.bfloat16)
+    assert shapes[L1 + "in_proj.weight"] == ((3 * 512 + 2 * 128 + 4, 1024), torch.bfloat16)
+    assert shapes[L1 + "conv1d.weight"] == ((3, 512, 1, 4), torch.bfloat16)
+    assert shapes[L1 + "fg_b_proj.weight"] == ((2, 512, 128), torch.bfloat16)
+    assert shapes[L4 + "q_kv_a_proj.weight"] == ((4 * 96 + 160, 1024), torch.bfloat16)
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == ((1024, 1024), torch.bfloat16)
+    rows = {n: (by[L1 + n].row, by[L1 + n].local_shape[0]) for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
+    rows |= {
+        n: (by[L1 + n].row, by[L1 + n].local_shape[0]) for n in ("f_a_proj.weight", "g_a_proj.weight", "b_proj.weight")
+    }
+    assert list(rows.values()) == [(0, 512), (512, 512), (1024, 512), (1536, 128), (1664, 128), (1792, 4)]
+    w3 = by["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    assert (w3.dest, w3.slot, w3.row) == ("model.layers.1.block_sparse_moe.experts.w13", 5, 32)
+    assert sum(p.local_bytes for p in ranks[1]) == sum(math.prod(s) * d.itemsize for s, d in shapes.values())
 
 
 # ---------------------------------------------------------------------------------------------- the real 48B config
@@ -348,15 +361,15 @@ def test_tp_plan_table_on_the_twin_at_world_2():
 
 def test_plan_figures_of_the_real_48b_config():
     cfg = load_config(REAL_CONFIG)
-    inputs = config_inputs(cfg)
-    one = plan_rank(inputs, 1, 0, torch.bfloat16)
+    inputs = config_entries(cfg)
+    one = plan_rank(cfg, inputs, 1, 0, torch.bfloat16)
     assert len(one) == 20_493
     assert sum(p.numel for p in one) == 49_122_681_728
-    (w1,) = plan_world(cfg, None, 1, torch.bfloat16, 0, 0, 2**62)
+    (w1,) = plan_all_ranks(cfg, None, 1, torch.bfloat16, 0, 0, 2**62)
     assert w1.tensors == 20_493 and w1.source_bytes == 2 * 49_122_681_728
     assert w1.replicated_bytes > 0 and w1.fits
     for world in (2, 4, 8):
-        plans = plan_world(cfg, None, world, torch.bfloat16, 0, 0, 2**62)
+        plans = plan_all_ranks(cfg, None, world, torch.bfloat16, 0, 0, 2**62)
         assert [p.rank for p in plans] == list(range(world))
         assert {p.replicated_bytes for p in plans} == {w1.replicated_bytes}
         assert sum(p.local_bytes for p in plans) == w1.local_bytes + (world - 1) * w1.replicated_bytes
@@ -470,7 +483,7 @@ def test_inventory_maps_save_pretrained_dense_mlp_names(tmp_path):
     for canon, saved in renames.items():
         entry = inv.entries[canon]
         assert entry.name == canon and entry.key == saved
-        plan = plan_tensor(*entry.as_plan_input(), 2, 1, torch.bfloat16)
+        plan = plan_tensor(entry, 2, 1, torch.bfloat16)
         with safe_open(d / entry.file, framework="pt") as h:
             piece = copy_shard(h, plan)
         full = originals[canon]
@@ -484,53 +497,6 @@ def test_inventory_maps_save_pretrained_dense_mlp_names(tmp_path):
         K3Error, match=r"model-extra.safetensors: tensor model.layers.0.mlp.up_proj.weight is duplicated"
     ):
         scan(d, cfg)
-
-
-# ---------------------------------------------------------------------------------------------- real ranks
-
-
-def _rank_reads_and_gathers(model_dir: str) -> dict:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        cfg = load_config(model_dir)
-        inv = scan(model_dir, cfg)
-        plans = plan_rank(inv.plan_inputs(), world, rank, torch.bfloat16)
-        checked = 0
-        for p in plans:
-            with safe_open(Path(model_dir) / p.file, framework="pt") as h:
-                piece = copy_shard(h, p)
-                full = h.get_tensor(p.key)
-            if p.axis.dim is None:
-                assert torch.equal(piece, full), p.name
-                continue
-            parts = [torch.empty_like(piece) for _ in range(world)]
-            dist.all_gather(parts, piece.contiguous())
-            assert torch.equal(torch.cat(parts, dim=p.axis.dim), full), p.name
-            checked += 1
-        return {
-            "rank": rank,
-            "checked": checked,
-            "local": sum(p.local_bytes for p in plans),
-            "fingerprint": inv.fingerprint,
-        }
-    finally:
-        dist.destroy_process_group()
-
-
-def test_two_gloo_ranks_read_shards_that_gather_to_the_checkpoint(tmp_path):
-    raw = small_config()
-    d = write_checkpoint(raw, tmp_path / "m", seed=5, shard_bytes=200_000)
-    out = expect_ok(run_ranks(_rank_reads_and_gathers, 2, str(d), timeout=120))
-    cfg = parse_config(raw)
-    sharded = sum(1 for p in plan_rank(config_inputs(cfg), 1, 0, torch.bfloat16) if p.axis.dim is not None)
-    assert [o["rank"] for o in out] == [0, 1]
-    assert {o["checked"] for o in out} == {sharded} and sharded > 100
-    assert len({o["fingerprint"] for o in out}) == 1
-    expect = [m.local_bytes for m in plan_world(cfg, scan(d, cfg), 2, torch.bfloat16, 0, 0, 2**40)]
-    assert [o["local"] for o in out] == expect
 
 
 def test_write_checkpoint_is_deterministic_per_seed(tmp_path):

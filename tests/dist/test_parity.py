@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from k3dist.weights.twin import write_checkpoint
 
-from .configs import small_config
-from .harness import teacher_forced
-from .ranks import expect_ok, run_ranks
+from tests.support.configs import small_config
+from tests.support.harness import teacher_forced
+from tests.support.ranks import expect_ok, run_ranks
 
 STEPS = 16
 

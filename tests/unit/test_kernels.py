@@ -1,27 +1,13 @@
 """Reference kernels (kernels/conv.py, kda.py, mla.py) against transformers' Kimi-Linear code and naive math."""
 
-import importlib.util
 import math
-import pathlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from k3dist.kernels import conv, kda, mla
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-
-
-def _load(name: str):
-    """Import kernels/<name>.py by path so these tests do not depend on the k3dist package."""
-    spec = importlib.util.spec_from_file_location(f"_kernels_{name}", KERNELS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-conv, kda, mla = _load("conv"), _load("kda"), _load("mla")
 
 
 def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -166,24 +152,28 @@ def test_kda_decode_step_matches_transformers_bf16_inputs():
 
 
 def test_mla_decode_absorbed_equals_expanded():
-    """W_kb / W_vb applied to every cached latent (the expanded form) vs absorbed into q and onto the context."""
+    """W_kb / W_vb applied to every cached latent (the expanded form) vs absorbed into q and onto the context, with a
+        different length per sequence; rows past each length hold garbage that must not reach the result (the reference
+    masks them; the Triton kernel does not even read them)."""
     gen = torch.Generator().manual_seed(6)
-    B, H, r, dr, dn, dv, L, length = 2, 4, 32, 8, 16, 12, 20, 13
+    B, H, r, dr, dn, dv, L = 3, 4, 32, 8, 16, 12, 20
+    lengths = torch.tensor([13, 1, 20])
     scale = (dn + dr) ** -0.5
     W_kb, W_vb = 0.2 * _randn(gen, H, dn, r), 0.2 * _randn(gen, H, dv, r)
     q_nope, q_pe = _randn(gen, B, H, dn), _randn(gen, B, H, dr)
     latent = _randn(gen, B, L, r + dr)
-    c, k_pe = latent[:, :length, :r], latent[:, :length, r:]
-
-    k = torch.cat([torch.einsum("btr,hnr->bthn", c, W_kb), k_pe[:, :, None].expand(B, length, H, dr)], -1)
-    scores = torch.einsum("bhd,bthd->bht", torch.cat([q_nope, q_pe], -1), k) * scale
-    want = torch.einsum("bht,bthv->bhv", scores.softmax(-1), torch.einsum("btr,hvr->bthv", c, W_vb))
-
-    latent[:, length:] = float("nan")  # rows past `length` must not be read
+    want = []
+    for b, n in enumerate(lengths.tolist()):
+        c, k_pe = latent[b, :n, :r], latent[b, :n, r:]
+        k = torch.cat([torch.einsum("tr,hnr->thn", c, W_kb), k_pe[:, None].expand(n, H, dr)], -1)
+        scores = torch.einsum("hd,thd->ht", torch.cat([q_nope[b], q_pe[b]], -1), k) * scale
+        want.append(torch.einsum("ht,thv->hv", scores.softmax(-1), torch.einsum("tr,hvr->thv", c, W_vb)))
+    for b, n in enumerate(lengths.tolist()):
+        latent[b, n:] = 1e4  # garbage: any weight on these rows would swamp the result
     q_abs = torch.einsum("bhn,hnr->bhr", q_nope, W_kb)
-    ctx = mla.mla_decode(q_abs.float(), q_pe.float(), latent.float(), length, scale)
+    ctx = mla.mla_decode(q_abs.float(), q_pe.float(), latent.float(), lengths, scale)
     assert ctx.dtype == torch.float32 and ctx.shape == (B, H, r)
-    _assert_rel(torch.einsum("bhr,hvr->bhv", ctx.double(), W_vb), want, 1e-5)
+    _assert_rel(torch.einsum("bhr,hvr->bhv", ctx.double(), W_vb), torch.stack(want), 1e-5)
 
 
 def _naive_causal_attention(q, k, v, scale, past):

@@ -1,0 +1,76 @@
+"""The K3 decoder over one rank's weight store (docs/model.md): embedding, decoder layers, final norm, LM head.
+
+Vocab-parallel embedding (masked lookup + all-reduce) and LM head (local logits; the caller gathers what it needs).
+Two entry points with the cache each layer owns: `prefill` (chunks of prompt tokens into chosen slots) and `decode`
+(one token per slot at per-slot positions: the static step). The residual stream stays in fp32 whatever the compute
+dtype: each norm reads it unrounded, so low-precision runs drift less from fp32 (and pick the same experts).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..config import LayerSpec
+from .layers import rmsnorm
+
+
+class DecoderLayer:
+    """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, spec: LayerSpec, mixer, mlp, norm_in: Tensor, norm_post: Tensor, eps: float):
+        self.spec, self.mixer, self.mlp = spec, mixer, mlp
+        self.norm_in, self.norm_post, self.eps = norm_in, norm_post, eps
+
+    def prefill(self, h: Tensor, slots: Tensor, start: int, dtype: torch.dtype) -> Tensor:
+        h = h + self.mixer.prefill(rmsnorm(h, self.norm_in, self.eps).to(dtype), slots, start)
+        return h + self.mlp.prefill(rmsnorm(h, self.norm_post, self.eps))
+
+    def decode(self, h: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        x = rmsnorm(h, self.norm_in, self.eps).to(dtype)
+        h = h + (self.mixer.decode(x) if self.spec.mixer == "kda" else self.mixer.decode(x, positions))
+        return h + self.mlp.decode(rmsnorm(h, self.norm_post, self.eps))
+
+
+class K3Model:
+    def __init__(self, cfg, embed: Tensor, layers: list[DecoderLayer], norm: Tensor, head: Tensor, comm, kernels):
+        self.cfg, self.comm, self.kernels = cfg, comm, kernels
+        self.embed, self.layers, self.norm, self.head = embed, layers, norm, head  # embed/head: [V_local, D]
+        self.dtype = embed.dtype
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """Masked lookup in this rank's vocab rows, summed over ranks, fp32."""
+        if self.comm.world == 1:
+            return F.embedding(tokens, self.embed).float()
+        local = tokens - self.comm.vocab_start
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        rows = max(self.embed.shape[0] - 1, 0)
+        h = F.embedding(local.clamp(0, rows), self.embed) if self.embed.shape[0] else self._zeros(tokens)
+        return self.comm.all_reduce(h.float() * mine.unsqueeze(-1))
+
+    def _zeros(self, tokens: Tensor) -> Tensor:
+        return torch.zeros(*tokens.shape, self.cfg.hidden_size, dtype=self.dtype, device=tokens.device)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return F.linear(rmsnorm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype), self.head)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Tensor, slots: Tensor, start: int, all_logits: bool = False) -> Tensor:
+        """tokens: [n, T], the next T prompt tokens of slots `slots` [n], which hold `start` tokens each.
+
+        Writes the slots' cache in place (their positions are the caller's to advance). Returns this rank's logits
+        of the last token [n, V_local], or of every token [n, T, V_local].
+        """
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer.prefill(h, slots, start, self.dtype)
+        return self._logits(h if all_logits else h[:, -1])
+
+    def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """The static step's model part: tokens [B] at positions [B] (device tensors) -> logits [B, V_local].
+
+        Every shape is fixed by the batch and the cache capacity; nothing is read on the host.
+        """
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer.decode(h, positions, self.dtype)
+        return self._logits(h)

@@ -1,0 +1,62 @@
+"""What rank 0 shows and writes while it generates: text streamed as it comes (one request), a progress bar over a
+prompts file, and outputs.jsonl (one line per request, input order, written atomically at the end)."""
+
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .engine import Completion, Engine, Prompt
+
+
+class Output:
+    def __init__(self, s, rt, prompts: list[Prompt], engine: Engine):
+        self.s, self.prompts, self.main = s, prompts, rt.is_main
+        g = s.generate
+        self.outputs = None
+        if g.prompts is not None:
+            self.outputs = Path(g.outputs) if g.outputs else Path(s.out or "result.json").parent / "outputs.jsonl"
+        stream = g.stream == "on" or (g.stream == "auto" and sys.stdout.isatty())
+        self.streaming = self.main and stream and len(prompts) == 1
+        self.bar = None
+        if self.main and g.prompts is not None:
+            self.bar = tqdm(total=len(prompts), unit="req", desc="k3dist", file=sys.stderr, dynamic_ncols=True)
+        self.tokens, self.start = 0, time.perf_counter()
+        if self.streaming:
+            engine.on_text = self._stream
+        engine.on_done = self._done
+
+    def _stream(self, index: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def _done(self, index: int, completion: Completion) -> None:
+        self.tokens += len(completion.tokens)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.start):.1f} tok/s")
+
+    def close(self, completions: list[Completion]) -> None:
+        if self.streaming:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if self.bar is not None:
+            self.bar.close()
+        if self.main and self.outputs is not None:
+            from .text.requests import write_jsonl
+
+            rows = [
+                {
+                    "id": c.id,
+                    "text": c.text,
+                    "tokens": c.tokens,
+                    "prompt_tokens": len(c.prompt),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in completions
+            ]
+            write_jsonl(self.outputs, rows)
+
+    def paths(self) -> dict:
+        return {"outputs": str(self.outputs)} if self.outputs is not None else {}

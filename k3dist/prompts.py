@@ -1,0 +1,116 @@
+"""What the user asked for, as engine Prompts: text (plain or through the chat template), token ids, a JSONL file of
+requests, or seeded random ids for benchmarks. Every prompt is checked against the vocabulary and `cache.cap` here,
+before any weight is read."""
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .engine import Prompt
+from .errors import K3Error
+from .settings import Settings
+
+
+class TextTools:
+    """The checkpoint's tokenizer and chat template, loaded only when text is involved."""
+
+    def __init__(self, model_dir: Path, cfg_raw: dict | None = None):
+        from .text.chat import load_chat_template
+        from .text.tokenizer import load_tokenizer
+
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir, cfg_raw)
+        self.template = load_chat_template(model_dir)
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise K3Error(f"{what} is text, but {self.model_dir} has no tokenizer (tiktoken.model or tokenizer.json)")
+        return self.tokenizer
+
+    def encode_chat(self, messages: list, what: str) -> list[int]:
+        from .text.chat import render_chat
+
+        tok = self.need_tokenizer(what)
+        if self.template is None:
+            raise K3Error(f"{what} asks for the chat format, but {self.model_dir} has no chat template")
+        text, source = self.template
+        return tok.encode(render_chat(text, source, messages))
+
+
+def _messages(text: str, system: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def seeded_ids(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts for benchmarks: the same ids for the same (batch, length, vocab, seed) everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def build_prompts(s: Settings, cfg: ModelConfig, text: TextTools | None) -> list[Prompt]:
+    g = s.generate
+    base = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=g.stop)
+    if g.prompts is not None:
+        prompts = _from_file(g.prompts, s, text, base)
+    else:
+        if isinstance(g.prompt, str):
+            what = "generate.prompt"
+            ids = (
+                text.encode_chat(_messages(g.prompt, g.system), what)
+                if g.chat
+                else _tools(text).need_tokenizer(what).encode(g.prompt)
+            )
+            rows = [ids] * g.batch
+        elif g.prompt is not None:
+            rows = [list(g.prompt)] * g.batch
+        else:
+            rows = seeded_ids(g.batch, g.prompt_len, cfg.vocab_size, g.seed)
+        # copies of one prompt draw differently when sampling: each slot its own seed
+        prompts = [Prompt(f"seq-{i}", tuple(ids), seed=g.seed + i, **base) for i, ids in enumerate(rows)]
+    for p in prompts:
+        _check(p, cfg, s)
+    if any(p.stop for p in prompts) and (text is None or text.tokenizer is None):
+        raise K3Error("generate.stop needs the checkpoint's tokenizer to match text, and this checkpoint has none")
+    return prompts
+
+
+def _tools(text: TextTools | None) -> TextTools:
+    if text is None:  # pragma: no cover - the job always loads text tools when text is given
+        raise K3Error("text prompts need the checkpoint's tokenizer")
+    return text
+
+
+def _from_file(path: str, s: Settings, text: TextTools | None, base: dict) -> list[Prompt]:
+    from .text.requests import read_requests
+
+    out = []
+    for r in read_requests(path):
+        where = f"{path}:{r.index + 1} (request {r.id})"
+        if r.ids is not None:
+            ids = list(r.ids)
+        elif r.messages is not None:
+            ids = _tools(text).encode_chat(r.messages, where)
+        elif s.generate.chat:
+            ids = _tools(text).encode_chat(_messages(r.prompt, s.generate.system), where)
+        else:
+            ids = _tools(text).need_tokenizer(where).encode(r.prompt)
+        own = {k: getattr(r, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
+        own = {k: (tuple(v) if k == "stop" else v) for k, v in own.items() if v is not None}
+        seed = r.seed if r.seed is not None else s.generate.seed + r.index
+        out.append(Prompt(r.id, tuple(ids), **(base | own), seed=seed))
+    return out
+
+
+def _check(p: Prompt, cfg: ModelConfig, s: Settings) -> None:
+    if not p.ids:
+        raise K3Error(f"request {p.id}: the prompt is empty")
+    bad = [t for t in p.ids if t >= cfg.vocab_size or t < 0]
+    if bad:
+        raise K3Error(f"request {p.id}: token ids {bad[:5]} are outside the vocabulary (vocab_size={cfg.vocab_size})")
+    need = len(p.ids) + p.max_new_tokens
+    if need > s.cache.cap:
+        raise K3Error(
+            f"request {p.id}: prompt of {len(p.ids)} tokens + max_new_tokens={p.max_new_tokens} exceeds "
+            f"cache.cap={s.cache.cap} (raise cache.cap to at least {need})"
+        )

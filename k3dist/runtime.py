@@ -1,0 +1,95 @@
+"""runtime_bytes: the memory a rank needs beyond weights and cache while it generates, computed from shapes.
+
+Terms (each an upper bound of what is alive at once, in bytes):
+- prefill: the activations of one chunk of `prefill_chunk` tokens for every slot at once, the largest of the layer
+  kinds (KDA: projections, conv windows, fp32 q/k/v/g, the chunked delta rule's [C, C, d] decay tensor; MLA: the
+  latent rows expanded through kv_b_proj back to the start of the longest prompt, attention scores; MoE: tokens
+  sorted by expert, their gate/up and down outputs) plus the fp32 residual stream around it;
+- logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
+  sampler's sort and noise buffers;
+- outputs: the per-slot token and top-5 buffers the host reads;
+- cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
+- cpu: a fixed host allowance for what the libraries allocate on first use (oneDNN, thread pools, the tokenizer).
+"""
+
+from dataclasses import asdict, dataclass
+
+from .config import ModelConfig
+
+MiB = 2**20
+CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
+HOST_ALLOWANCE = 96 * MiB  # first-use library state on CPU, measured by tests/dist/test_memory_plan.py
+KDA_CHUNK = 64  # kernels/kda.py's chunk length
+
+
+@dataclass(frozen=True)
+class RuntimeMemory:
+    prefill: int
+    logits: int
+    outputs: int
+    device: int  # cuda: graph pool + workspace; cpu: host allowance
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.logits + self.outputs + self.device
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"total": self.total}
+
+
+def _prefill(cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int, s: int) -> int:
+    """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions."""
+    D = cfg.hidden_size
+    residual = 3 * tokens * D * 4 + tokens * D * s  # h, h + mixer(x), the mixer's fp32 output; the normed input
+    kinds = [0]
+    if cfg.count(mixer="kda"):
+        H, d = cfg.kda_heads // world, cfg.kda_head_dim
+        P = H * d
+        proj = tokens * (3 * P + 2 * d + H) * s + 2 * tokens * P * s  # in_proj output; f_b and g_b outputs
+        conv = 3 * (seqs * P * (tokens // seqs + cfg.conv_kernel) * 4 * 2)  # fp32 window + output per q/k/v
+        fp32 = 8 * tokens * P * 4  # q, k, v, g in fp32, head-major copies, the output
+        chunk = seqs * H * KDA_CHUNK * (KDA_CHUNK * d * 4 * 2 + KDA_CHUNK * 4 * 4 + 2 * d * 4)  # decay (+exp), kk/qk
+        kinds.append(proj + conv + fp32 + chunk + tokens * D * 4 * 2)
+    if cfg.count(mixer="mla"):
+        H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
+        dqk, dv = cfg.qk_nope_dim + dr, cfg.v_head_dim
+        rows = seqs * longest  # keys and values reach back to the start of the sequence
+        proj = tokens * (H * dqk + r + dr) * s * 2
+        expanded = rows * ((r + dr) * s + H * (cfg.qk_nope_dim + dv) * s + H * dqk * s)  # rows, kv, keys
+        scores = seqs * H * (tokens // seqs) * longest * 4  # a masked attention may materialise its scores
+        kinds.append(proj + expanded + scores + tokens * H * dv * s * 2 + tokens * D * 4 * 2)
+    if cfg.count(mlp="moe"):
+        k, E, I_ = cfg.top_k, cfg.num_experts, cfg.expert_size // world
+        routed = tokens * k * (D * s + 3 * I_ * s + D * s + D * 4 + 3 * 8)  # sorted x, gate/up, act, down, fp32
+        router = tokens * E * 4 * 4
+        shared = tokens * 3 * cfg.shared_size // world * s
+        kinds.append(routed + router + shared + tokens * D * 4 * 2)
+    if cfg.count(mlp="dense"):
+        kinds.append(tokens * 3 * (cfg.intermediate_size // world) * s + tokens * D * 4 * 2)
+    return residual + max(kinds)
+
+
+def runtime_memory(
+    cfg: ModelConfig,
+    world: int,
+    batch: int,
+    longest_prompt: int,
+    prefill_chunk: int,
+    max_new_tokens: int,
+    sample: bool,
+    itemsize: int,
+    device_type: str,
+) -> RuntimeMemory:
+    V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
+    tokens = batch * min(prefill_chunk, longest_prompt)
+    prefill = _prefill(cfg, world, tokens, batch, longest_prompt, s)
+    logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
+    if sample:
+        logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits
+    outputs = batch * max(max_new_tokens, 1) * (8 + 5 * (8 + 4))
+    if device_type == "cuda":
+        step = _prefill(cfg, world, batch, batch, 1, s) + logits  # the graph pool holds one step's tensors
+        device = step + CUDA_WORKSPACE
+    else:
+        device = HOST_ALLOWANCE
+    return RuntimeMemory(prefill, logits, outputs, device)

@@ -1,0 +1,77 @@
+"""Choosing tokens on the device, identically on every rank, with no collective and no host sync.
+
+Greedy is the argmax. Sampling (temperature, top-k, top-p) is an exponential race: the token with the largest
+`logit / T + Gumbel noise` among those the filters keep. The noise is a counter-based hash of (the request's seed,
+the index of the token in its output, the token id), so a request draws the same tokens on every rank and whatever
+else shares its batch, and no generator state has to live across steps or ranks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's constants, as signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: Tensor, n: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix(z: Tensor) -> Tensor:
+    """splitmix64's finaliser: every output bit depends on every input bit."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
+    """[B] seeds and [B] token counters -> [B, vocab] standard Gumbel noise, a pure function of its inputs."""
+    key = _mix(seed * _GOLDEN + counter)
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    bits = _shr(_mix(key[:, None] + (ids + 1) * _GOLDEN), 40)  # 24 random bits
+    u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+@dataclass(frozen=True)
+class SamplingMode:
+    """What the step must be able to do, fixed for a run (the step is captured once): greedy only, or sampling,
+    with or without top-k/top-p filters (those sort the vocabulary)."""
+
+    sample: bool
+    filtered: bool
+
+
+def choose_tokens(
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seed: Tensor,
+    counter: Tensor,
+    mode: SamplingMode,
+) -> Tensor:
+    """logits [B, V] (the full vocabulary); per-slot temperature, top_p [B] fp32, top_k, seed, counter [B] int64.
+
+    Rows with temperature 0 take the argmax. Returns tokens [B] int64.
+    """
+    greedy = logits.argmax(-1)
+    if not mode.sample:
+        return greedy
+    scaled = logits.float() / temperature.clamp_min(1e-6)[:, None]
+    noise = gumbel_noise(seed, counter, logits.shape[-1])
+    if mode.filtered:
+        scaled, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])  # top-k: keep the k best
+        probs = torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)
+        drop |= probs.cumsum(-1) - probs > top_p[:, None]  # top-p: the smallest prefix reaching top_p
+        pick = (scaled.masked_fill(drop, float("-inf")) + noise.gather(1, order)).argmax(-1)
+        sampled = order.gather(1, pick[:, None]).squeeze(1)
+    else:
+        sampled = (scaled + noise).argmax(-1)
+    return torch.where(temperature > 0, sampled, greedy)

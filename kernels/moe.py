@@ -1,0 +1,68 @@
+"""Routed-expert SwiGLU without host syncs: gathered expert weights for decode, sorted groups for prefill.
+
+Weights are stacked per rank: w13 [E, 2I, D] (w1 = gate rows first, then w3 = up) and w2 [E, D, I], I = this rank's
+slice of the expert size. Both paths return the per-token sum of weighted expert outputs in fp32, equal to a loop over
+experts (`experts_loop`, the oracle).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def experts_gathered(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Few tokens (decode): gather each token's chosen experts' weights and run them as batched GEMVs.
+
+    x: [N, D]; ids, weights: [N, k]. Static shapes, no host sync. Returns [N, D] fp32.
+    """
+    gate_up = torch.einsum("nkid,nd->nki", w13[ids], x)  # [N, k, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = torch.einsum("nkdi,nki->nkd", w2[ids], F.silu(gate) * up)  # [N, k, D]
+    return (y.float() * weights.unsqueeze(-1)).sum(1)
+
+
+def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """Rows of x grouped by expert (group e ends at offsets[e]) times w[e]^T: x [M, D], w [E, O, D] -> [M, O].
+
+    torch._grouped_mm where this torch has it for the device and dtype; otherwise a loop over the groups (reads the
+    offsets on the host: prefill only).
+    """
+    if hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        try:
+            return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets.to(torch.int32))
+        except RuntimeError:  # a device/dtype/alignment this build's kernel refuses: fall back below
+            pass
+    out, start = x.new_empty(x.shape[0], w.shape[1]), 0
+    for e, stop in enumerate(offsets.tolist()):
+        if stop > start:
+            out[start:stop] = x[start:stop] @ w[e].T
+        start = stop
+    return out
+
+
+def experts_grouped(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Many tokens (prefill): sort the (token, choice) pairs by expert, one grouped GEMM per projection.
+
+    x: [N, D]; ids, weights: [N, k]. Returns [N, D] fp32.
+    """
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k
+    offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0)
+    gate_up = grouped_mm(x[token], w13, offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, w2, offsets)  # [N*k, D]
+    out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
+
+
+def experts_loop(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The oracle: one SwiGLU per expert over the tokens that chose it (host syncs; tests only)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        token, choice = (ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, y.float() * weights[token, choice, None])
+    return out
