@@ -25,6 +25,7 @@ TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # A role is written verbatim into the turn header, so only plain names count as roles.
 ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the one chat templates read
 
 
 def load_chat_template(model_dir: str | Path) -> tuple[str, str] | None:
@@ -66,7 +67,7 @@ def render_chat(
         data = json.loads(json.dumps({"messages": messages, "tools": tools, "special": special}))
     except (TypeError, ValueError) as exc:
         raise K3Error(f"chat messages, tools and template variables must be plain JSON data ({exc})") from None
-    chat = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]  # a null key reads as absent
+    chat = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in data["messages"]]
     compiled = _compile(template, source)
     try:
         return compiled.render(
@@ -79,6 +80,17 @@ def render_chat(
     except Exception as exc:  # anything the template does wrong is the template's error, reported in one line
         cause = exc.message if isinstance(exc, jinja2.TemplateError) and exc.message else f"{type(exc).__name__}: {exc}"
         raise K3Error(f"{_where(source, _template_line(exc))} chat template failed: {cause}") from None
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    """A message's reasoning under every name templates read it by, as transformers passes it.
+
+    Keys whose value is null were dropped before (templates treat a missing key better than a literal None).
+    """
+    reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def messages_problem(messages) -> str | None:

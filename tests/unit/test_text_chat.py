@@ -23,6 +23,7 @@ MULTI_TURN = [
     {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]},
     {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]},
     {"role": "tool", "name": "add", "content": "4"},
+    {"role": "assistant", "content": "It is 4.", "reasoning": "2+2=4", "thinking": None},
 ]
 TOOLS = [
     {
@@ -51,6 +52,7 @@ FEATURES = """{{ bos_token }}
 {%- if tools %}{{ tools | tojson(separators=(',', ':')) }}{% endif %}
 {%- if 'tool_calls' in messages[-1] %}{{ raise_exception('unreachable') }}{% endif %}
 {{ eos_token if not add_generation_prompt else 'go' }}
+{% for m in messages if m.reasoning_content is defined %}({{ m.reasoning_content }}|{{ m.thinking }}){% endfor %}
 {% for m in messages %}
     {% if m.role == 'user' %}
   user turn {{ loop.index }}
@@ -76,7 +78,7 @@ def test_render_equals_transformers(template, messages, tools):
 
 
 def test_kimi_shape():
-    text = render_chat(KIMI_TEMPLATE, "t.jinja", MULTI_TURN[:2] + [MULTI_TURN[4]], tools=TOOLS)
+    text = render_chat(KIMI_TEMPLATE, "t.jinja", MULTI_TURN[:2] + MULTI_TURN[4:5], tools=TOOLS)
     tools = json.dumps(TOOLS, separators=(",", ":"), ensure_ascii=False)
     assert text == (
         f"<|im_system|>tool_declare<|im_middle|>{tools}<|im_end|>"

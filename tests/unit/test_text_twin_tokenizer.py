@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import tiktoken
 
 from k3dist.text.chat import load_chat_template, render_chat
 from k3dist.text.kimi_bpe import SPECIAL_BLOCK
@@ -18,7 +19,7 @@ from k3dist.weights import twin
 from k3dist.weights.twin import ensure_twin, write_checkpoint
 
 from ..configs import small_config, twin_config
-from .kimi_files import KIMI_OFFSETS
+from .kimi_files import KIMI_OFFSETS, KIMI_PATTERN
 
 FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SAMPLE = "The keeper wound the clock at 07:42. 山城的雨季 started; HelloWorld = parseJsonValue(x) + 12345!\n"
@@ -65,6 +66,16 @@ def test_every_id_decodes_and_text_round_trips(kimi_twin):
     assert tok.decode(ids) == text and len(ids) < len(text.encode()) / 2.5  # it compresses its own corpus
     assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
     assert tok.encode("<|im_user|>hi<|im_end|>")[0] == 163_587
+
+
+def test_ids_equal_a_tiktoken_encoding_of_the_written_files(kimi_twin):
+    path, _, _ = kimi_twin
+    tok = load_tokenizer(path)
+    lines = (path / "tiktoken.model").read_bytes().splitlines()
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in lines)}
+    reference = tiktoken.Encoding("ref", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=tok.special_ids)
+    for text in [CORPUS.read_text(encoding="utf-8"), SAMPLE, "<|im_user|>user<|im_middle|>中文English混合<|im_end|>"]:
+        assert tok.encode(text) == reference.encode(text, allowed_special="all")
 
 
 def test_chat_template_renders_kimi_turns(kimi_twin):
