@@ -138,9 +138,9 @@ def named_tokens(tok_config: dict, source: Path | None) -> dict[str, str]:
     named = {}
     for key in NAMED_TOKENS:
         value = tok_config.get(key)
-        content = value.get("content") if isinstance(value, dict) else value
         if value is None:
             continue
+        content = value.get("content") if isinstance(value, dict) else value
         if not isinstance(content, str):
             raise K3Error(f"{source}: {key} must be a token text or {{'content': text}}, got {value!r}")
         named[key] = content
