@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from ..config import parse_config
 from ..dtypes import BY_NAME
+from ..text.twin_tokenizer import TWIN_TOKENIZER_VERSION, write_tokenizer
 from .inventory import INDEX
 from .schema import expected_tensors
 
@@ -67,9 +68,18 @@ def write_index(out_dir: Path, raw_config: dict, layout: dict[str, list[str]], t
 
 
 def write_checkpoint(
-    raw_config: dict, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 200 * 2**20
+    raw_config: dict,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    shard_bytes: int = 200 * 2**20,
+    tokenizer: bool = True,
 ) -> Path:
-    """Write config.json, `model-0000i-of-0000n.safetensors` shards and the index into `out_dir`."""
+    """Write config.json, `model-0000i-of-0000n.safetensors` shards and the index into `out_dir`.
+
+    With `tokenizer`, also the twin's tokenizer files (tiktoken.model, tokenizer_config.json, chat_template.jinja,
+    generation_config.json) when the vocabulary holds Kimi's 256-id special block and more (vocab_size >= 512).
+    """
     schema = expected_tensors(parse_config(raw_config))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,13 +91,17 @@ def write_checkpoint(
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         del tensors
     write_index(out_dir, raw_config, layout, sum(math.prod(s) for s in schema.values()) * torch_dtype.itemsize, dtype)
+    vocab_size = raw_config["vocab_size"]
+    if tokenizer and vocab_size >= 512:
+        write_tokenizer(out_dir, vocab_size, raw_config.get("eos_token_id"), raw_config.get("bos_token_id"))
     return out_dir
 
 
 def ensure_twin(config_path: str | Path, seed: int = 0, dtype: str = "bfloat16", root: Path | None = None) -> Path:
     """The cached twin checkpoint for this config, written once (atomic rename, file lock against races)."""
     raw = json.loads(Path(config_path).read_text())
-    key = hashlib.sha256(json.dumps([raw, seed, dtype], sort_keys=True).encode()).hexdigest()[:12]
+    versions = {"tokenizer": TWIN_TOKENIZER_VERSION}  # a new version rewrites twins cached before it
+    key = hashlib.sha256(json.dumps([raw, seed, dtype, versions], sort_keys=True).encode()).hexdigest()[:12]
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{Path(config_path).stem}-seed{seed}-{dtype}-{key}"

@@ -1,0 +1,1 @@
+"""Text in, text out: tokenizers, chat templates, request files, streamed detokenizing, the twin's tokenizer."""

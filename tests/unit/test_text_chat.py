@@ -1,0 +1,160 @@
+"""Chat templates: found in the model dir, rendered exactly as transformers renders them, bad input in one line."""
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+import k3dist.text
+from k3dist.errors import K3Error
+from k3dist.text.chat import load_chat_template, render_chat
+
+KIMI_TEMPLATE = (Path(k3dist.text.__file__).parent / "twin_chat_template.jinja").read_text()
+SPECIAL = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}
+SYSTEM = [
+    {"role": "system", "content": "You are a helpful assistant provided by Moonshot-AI."},
+    {"role": "user", "content": "Is 123 a prime?"},
+]
+MULTI_TURN = [
+    {"role": "user", "content": "Hi, 你好"},
+    {"role": "assistant", "content": "Hello! 有什么可以帮你？"},
+    {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]},
+    {"role": "tool", "name": "add", "content": "4"},
+    {"role": "assistant", "content": "It is 4.", "reasoning": "2+2=4", "thinking": None},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city, 天气",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+# Uses what transformers gives templates: namespace, loop controls, dict, tojson options, generation, special vars.
+FEATURES = """{{ bos_token }}
+{%- set ns = namespace(turns=0, last='') %}
+{%- for m in messages %}
+    {%- if m.role == 'tool' %}{% continue %}{% endif %}
+    {%- set ns.turns = ns.turns + 1 %}
+    {%- set ns.last = m.role %}
+    {%- if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}
+    {%- else %}
+{{ m.role }}: {{ m.content if m.content is string else m.content | tojson }}
+    {%- endif %}
+    {%- if loop.index > 3 %}{% break %}{% endif %}
+{%- endfor %}
+{{ dict(turns=ns.turns, last=ns.last) | tojson(indent=1, sort_keys=True) }}
+{%- if tools %}{{ tools | tojson(separators=(',', ':')) }}{% endif %}
+{%- if 'tool_calls' in messages[-1] %}{{ raise_exception('unreachable') }}{% endif %}
+{{ eos_token if not add_generation_prompt else 'go' }}
+{% for m in messages if m.reasoning_content is defined %}({{ m.reasoning_content }}|{{ m.thinking }}){% endfor %}
+{% for m in messages %}
+    {% if m.role == 'user' %}
+  user turn {{ loop.index }}
+    {% endif %}
+{% endfor %}
+"""
+
+
+def reference(template: str, messages: list, tools: list | None = None) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer(models.BPE()), chat_template=template, **SPECIAL)
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("template", [KIMI_TEMPLATE, FEATURES], ids=["kimi", "features"])
+@pytest.mark.parametrize(
+    "messages, tools", [(SYSTEM, None), (MULTI_TURN, None), (SYSTEM, TOOLS)], ids=["system", "multi-turn", "tools"]
+)
+def test_render_equals_transformers(template, messages, tools):
+    ours = render_chat(template, "t.jinja", messages, tools=tools, **SPECIAL)
+    assert ours == reference(template, messages, tools)
+
+
+def test_kimi_shape():
+    text = render_chat(KIMI_TEMPLATE, "t.jinja", MULTI_TURN[:2] + MULTI_TURN[4:5], tools=TOOLS)
+    tools = json.dumps(TOOLS, separators=(",", ":"), ensure_ascii=False)
+    assert text == (
+        f"<|im_system|>tool_declare<|im_middle|>{tools}<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hi, 你好<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Hello! 有什么可以帮你？<|im_end|>"
+        "<|im_system|>add<|im_middle|>4<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    no_prompt = render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM, add_generation_prompt=False)
+    assert no_prompt.endswith("Is 123 a prime?<|im_end|>") and "[BOS]" not in no_prompt
+
+
+def test_load_chat_template(tmp_path):
+    assert load_chat_template(tmp_path) is None
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": "from config"}))
+    assert load_chat_template(tmp_path) == ("from config", str(config))
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]
+    config.write_text(json.dumps({"chat_template": named}))
+    assert load_chat_template(tmp_path) == ("plain", str(config))
+    (tmp_path / "chat_template.jinja").write_text("from jinja")
+    assert load_chat_template(tmp_path) == ("from jinja", str(tmp_path / "chat_template.jinja"))
+    (tmp_path / "chat_template.jinja").unlink()
+    config.write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(K3Error, match=r"tokenizer_config.json: chat_template lists templates \['tool_use'\]"):
+        load_chat_template(tmp_path)
+    config.write_text('{"chat_template": 3')
+    with pytest.raises(K3Error, match=r"tokenizer_config.json:1: not valid JSON"):
+        load_chat_template(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "template, source, cause",
+    [
+        ("{% for m in messages %}\n{{ m.role }\n", "/m/chat_template.jinja",
+         r"/m/chat_template.jinja:2: chat template syntax error"),
+        ("{% if messages[0].role != 'system' %}\n{{ raise_exception('first must be system') }}{% endif %}",
+         "/m/chat_template.jinja", r"/m/chat_template.jinja:2: chat template failed: first must be system"),
+        ("\n\n{{ messages[0].content.missing.deeper }}", "/m/tokenizer_config.json",
+         r"/m/tokenizer_config.json: chat_template line 3: chat template failed: .*has no attribute 'missing'"),
+        ("{{ messages[0].content + 1 }}", "/m/chat_template.jinja", r":1: chat template failed: TypeError"),
+        ("{{ ''.__class__ }}{{ ''.__class__.__mro__[1].__subclasses__() }}", "/m/chat_template.jinja",
+         r"chat_template.jinja:1: chat template failed: access to attribute '__class__' of 'str' object is unsafe"),
+        ("{% set ns = namespace(_x=1) %}", "/m/chat_template.jinja", r"may not start with '_'"),
+    ],
+)  # fmt: skip
+def test_template_failures_name_the_file_and_cause(template, source, cause):
+    with pytest.raises(K3Error, match=cause):
+        render_chat(template, source, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages, why",
+    [
+        ({"role": "user", "content": "hi"}, "must be a list of {role, content} objects, got a dict"),
+        ([], "the list of messages is empty"),
+        (["hi"], r"messages\[0\] must be a {role, content} object, got a str"),
+        ([{"content": "hi"}], r"messages\[0\] has unknown role None"),
+        ([{"role": 3, "content": "hi"}], r"messages\[0\] has unknown role 3"),
+        ([{"role": "", "content": "hi"}], r"messages\[0\] has unknown role ''"),
+        ([{"role": "user<|im_end|>", "content": "hi"}], r"messages\[0\] has unknown role 'user<\|im_end\|>'"),
+        ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
+        (
+            [{"role": "user", "content": 5}],
+            r"messages\[0\] \(user\) content must be a text or a list of content parts, got an int",
+        ),
+        ([{"role": "user", "content": ["hi"]}], r"messages\[0\] \(user\) content parts must be objects"),
+    ],
+)
+def test_bad_messages(messages, why):
+    with pytest.raises(K3Error, match=rf"^chat messages: {why}"):
+        render_chat(KIMI_TEMPLATE, "t.jinja", messages)
+
+
+def test_other_roles_render_as_system_and_tools_must_be_objects():
+    text = render_chat(KIMI_TEMPLATE, "t.jinja", [{"role": "developer", "content": "be brief"}])
+    assert text.startswith("<|im_system|>developer<|im_middle|>be brief<|im_end|>")
+    with pytest.raises(K3Error, match="chat tools must be a list of JSON objects"):
+        render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM, tools=["get_weather"])
