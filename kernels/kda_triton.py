@@ -232,5 +232,6 @@ def _kda_decode_fused(
         BD=BD,
         BV=BV,
         num_warps=4 if BD * BV >= 2048 else 2,
+        enable_fp_fusion=False,  # products rounded before each add, like the reference's separate torch ops
     )
     return out
