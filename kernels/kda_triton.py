@@ -4,7 +4,8 @@ Grid: one program per (sequence, head), B * H programs. A program computes its h
 in full, then walks the value dim in blocks of BV columns: the delta rule is column-separable (column j of the state
 needs only k, the decay, beta and v_j), so each [d, BV] state tile is loaded once, decayed, updated, read for the
 output and stored once. The block outputs are gathered into a register vector of the whole head, so the gated
-RMSNorm runs after the loop without a scratch buffer or a barrier.
+RMSNorm runs after the loop without a scratch buffer. The conv states are shifted last, behind one barrier: every
+lane has read the old inputs before any is overwritten.
 
 Roundings follow the reference: conv products summed in fp32, rounded once to the conv weight's dtype, SiLU, rounded
 to the weight's then the compute dtype; everything after that runs in fp32 (state, gate, beta, norm); the output is
@@ -21,12 +22,11 @@ from .triton_cast import round_to
 
 @triton.jit
 def _conv_silu(x_ptr, s_x, cs_ptr, s_cs_p, s_cs_k, w_ptr, s_w_p, s_w_k, ch, mask, KW: tl.constexpr):
-    """Depthwise causal conv over K taps + SiLU for channels `ch`, shifting the new input into the conv state.
+    """Depthwise causal conv over K taps + SiLU for channels `ch` (the conv state is only read here).
 
     x_ptr: this token's row of one projection (channel stride s_x); cs_ptr: its conv state [C, K-1], oldest first;
-    w_ptr: its weight [C, K]. Tap i is loaded, then written to slot i-1: slot i-1 was read in the previous unrolled
-    step and the same lanes own the same channels, so the shift needs no barrier. Returns the activations as fp32
-    values of the compute dtype (x's), after the reference's roundings.
+    w_ptr: its weight [C, K]. Taps are summed in order, like torch's sum over the window. Returns the activations
+    as fp32 values of the compute dtype (x's), after the reference's roundings.
     """
     acc = tl.zeros(ch.shape, dtype=tl.float32)
     for i in tl.static_range(KW):
@@ -36,12 +36,28 @@ def _conv_silu(x_ptr, s_x, cs_ptr, s_cs_p, s_cs_k, w_ptr, s_w_p, s_w_k, ch, mask
             xi = tl.load(x_ptr + ch * s_x, mask=mask, other=0.0)
         wi = tl.load(w_ptr + ch * s_w_p + i * s_w_k, mask=mask, other=0.0)
         acc += xi.to(tl.float32) * wi.to(tl.float32)
-        if i > 0:
-            tl.store(cs_ptr + ch * s_cs_p + (i - 1) * s_cs_k, xi, mask=mask)
     w_dtype: tl.constexpr = w_ptr.dtype.element_ty
     y = round_to(acc, w_dtype).to(tl.float32)  # products summed in fp32, rounded once to the weight's dtype
     y = round_to(y / (1.0 + tl.exp(-y)), w_dtype)  # SiLU in fp32, rounded like torch's silu on that dtype
     return round_to(y.to(tl.float32), x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _next_window(x_ptr, s_x, cs_ptr, s_cs_p, s_cs_k, ch, mask, KW: tl.constexpr, BKW: tl.constexpr):
+    """[BD, BKW] tile whose column j (1 <= j <= K-1) is the new slot j-1: old slot j, or x for j = K-1."""
+    col = tl.arange(0, BKW)
+    old = (col >= 1) & (col < KW - 1)
+    win = tl.load(cs_ptr + ch[:, None] * s_cs_p + col[None, :] * s_cs_k, mask=mask[:, None] & old, other=0.0)
+    x = tl.load(x_ptr + ch * s_x, mask=mask, other=0.0).to(cs_ptr.dtype.element_ty)
+    return tl.where(col[None, :] == KW - 1, x[:, None], win)
+
+
+@triton.jit
+def _store_window(cs_ptr, s_cs_p, s_cs_k, ch, mask, win, KW: tl.constexpr, BKW: tl.constexpr):
+    """Writes _next_window's columns 1..K-1 to conv-state slots 0..K-2."""
+    col = tl.arange(0, BKW)
+    keep = (col >= 1) & (col < KW)
+    tl.store(cs_ptr + ch[:, None] * s_cs_p + (col[None, :] - 1) * s_cs_k, win, mask=mask[:, None] & keep)
 
 
 @triton.jit
@@ -83,6 +99,7 @@ def _kda_decode_kernel(
     eps,
     D: tl.constexpr,
     KW: tl.constexpr,
+    BKW: tl.constexpr,
     BD: tl.constexpr,
     BV: tl.constexpr,
 ):
@@ -147,6 +164,22 @@ def _kda_decode_kernel(
     gt = tl.load(gate_ptr + b * s_gate_b + ch_k * s_gate_p, mask=mk, other=0.0).to(tl.float32)
     y = y * (1.0 / (1.0 + tl.exp(-gt)))
     tl.store(out_ptr + b * s_out_b + ch_k, round_to(y, out_ptr.dtype.element_ty), mask=mk)
+
+    # shift the new inputs into the conv states. Lanes holding copies of one channel may sit in different warps, so
+    # every read of the old states (the convs above, the windows here) completes before the barrier, writes after.
+    wq = _next_window(x_row, s_qkv_p, cs_row, s_cs_p, s_cs_k, ch_k, mk, KW, BKW)
+    wk = _next_window(x_row + s_qkv_i, s_qkv_p, cs_row + s_cs_i, s_cs_p, s_cs_k, ch_k, mk, KW, BKW)
+    wv = _next_window(x_row + 2 * s_qkv_i, s_qkv_p, cs_row + 2 * s_cs_i, s_cs_p, s_cs_k, ch_k, mk, KW, BKW)
+    tl.debug_barrier()
+    _store_window(cs_row, s_cs_p, s_cs_k, ch_k, mk, wq, KW, BKW)
+    _store_window(cs_row + s_cs_i, s_cs_p, s_cs_k, ch_k, mk, wk, KW, BKW)
+    _store_window(cs_row + 2 * s_cs_i, s_cs_p, s_cs_k, ch_k, mk, wv, KW, BKW)
+
+
+def _num_warps(tile: int) -> int:
+    """Warps for a [d, BV] state tile: d = 128, BV = 32 compiles for sm_90 to 162 registers and no spills with 8
+    warps (255 and a small spill with 4)."""
+    return 8 if tile >= 4096 else 4 if tile >= 1024 else 2
 
 
 def kda_decode_fused(
@@ -229,9 +262,10 @@ def _kda_decode_fused(
         eps,
         D=d,
         KW=KW,
+        BKW=triton.next_power_of_2(KW),
         BD=BD,
         BV=BV,
-        num_warps=4 if BD * BV >= 2048 else 2,
+        num_warps=_num_warps(BD * BV),
         enable_fp_fusion=False,  # products rounded before each add, like the reference's separate torch ops
     )
     return out
