@@ -195,10 +195,12 @@ def _mla_decode(
     if not (q_nope_absorbed.dtype == q_pe.dtype == latent.dtype):
         raise ValueError(f"dtypes differ: {q_nope_absorbed.dtype}, {q_pe.dtype}, {latent.dtype}")
     BR = max(16, triton.next_power_of_2(R))
-    # r > 256 (e.g. 512): shorter row blocks and 8 warps keep the [BL, r] tile and the [BH, r] context in registers;
-    # fp32 tiles are twice as large, so their blocks are half as tall
-    wide = BR > 256
-    BL = block_l or (32 if wide else 64) // (2 if latent.dtype == torch.float32 else 1)
+    # Tiles sized to stay in registers on sm_90 (no spills): [BL, r] latent rows, [BH, r] queries and context.
+    # r > 256 (e.g. 512) takes shorter row blocks; fp32 tiles are twice the bytes, so their blocks are half as tall.
+    BH = max(16, triton.next_power_of_2(H))
+    elt = latent.element_size()
+    BL = block_l or (32 if BR > 256 else 64) // (2 if elt == 4 else 1)
+    num_warps = 8 if BH * BR * elt >= 16384 else 4
     S = num_splits or _num_splits(B, L, BL, latent.device)
     out = torch.empty(B, H, R, dtype=q_nope_absorbed.dtype, device=q_nope_absorbed.device)
     f32 = dict(dtype=torch.float32, device=out.device)
@@ -226,13 +228,13 @@ def _mla_decode(
         scale,
         R=R,
         DR=DR,
-        BH=max(16, triton.next_power_of_2(H)),
+        BH=BH,
         BR=BR,
         BDR=max(16, triton.next_power_of_2(DR)),
         BL=BL,
         SPLIT=S > 1,
         DOT_F32=latent.dtype == torch.float32 or latent.device.type == "cpu",
-        num_warps=8 if wide else 4,
+        num_warps=num_warps,
         num_stages=2,
     )
     if S > 1:
