@@ -181,6 +181,7 @@ def run_kda(tps: list[int], batches: list[int]) -> list[dict]:
                     print(f"  fla failed at tp {tp} batch {B}: {row['fla_error']}")
                 del fsets
             row["ours_GBps"] = moved / row["ours_us"] / 1e3
+            print(f"kda tp {tp} batch {B}: ours {row['ours_us']:.1f} µs, fla {row.get('fla_us', float('nan')):.1f} µs")
             rows.append(row)
             del sets
             torch.cuda.empty_cache()
@@ -217,6 +218,7 @@ def run_mla(tps: list[int], batches: list[int], lengths: list[int]) -> list[dict
                 row["ours_us"], row["ours_mode"] = bench([lambda a=a: triton_mla(*a, scale) for a in sets])
                 row["torch_us"], row["torch_mode"] = bench([lambda a=a: torch_mla(*a, scale) for a in sets])
                 row["ours_GBps"] = read / row["ours_us"] / 1e3
+                print(f"mla tp {tp} L {L} batch {B}: ours {row['ours_us']:.1f} µs, torch {row['torch_us']:.1f} µs")
                 rows.append(row)
                 del sets
                 torch.cuda.empty_cache()
