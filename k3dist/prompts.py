@@ -28,14 +28,14 @@ class TextTools:
             raise K3Error(f"{what} is text, but {self.model_dir} has no tokenizer (tiktoken.model or tokenizer.json)")
         return self.tokenizer
 
-    def encode_chat(self, messages: list, what: str) -> list[int]:
+    def encode_chat(self, messages: list, what: str, tools: list | None = None) -> list[int]:
         from .text.chat import render_chat
 
         tok = self.need_tokenizer(what)
         if self.template is None:
             raise K3Error(f"{what} asks for the chat format, but {self.model_dir} has no chat template")
         text, source = self.template
-        return tok.encode(render_chat(text, source, messages))
+        return tok.encode(render_chat(text, source, messages, tools, **tok.named_tokens))
 
 
 def _messages(text: str, system: str | None) -> list[dict]:
@@ -75,6 +75,13 @@ def build_prompts(s: Settings, cfg: ModelConfig, text: TextTools | None) -> list
     return prompts
 
 
+def _encode_text(prompt: str, what: str, s: Settings, text: TextTools) -> list[int]:
+    """A plain prompt as it is, or as the user turn of a chat (generate.chat, with generate.system)."""
+    if s.generate.chat:
+        return text.encode_chat(_messages(prompt, s.generate.system), what)
+    return text.need_tokenizer(what).encode(prompt)
+
+
 def _tools(text: TextTools | None) -> TextTools:
     if text is None:  # pragma: no cover - the job always loads text tools when text is given
         raise K3Error("text prompts need the checkpoint's tokenizer")
@@ -90,11 +97,9 @@ def _from_file(path: str, s: Settings, text: TextTools | None, base: dict) -> li
         if r.ids is not None:
             ids = list(r.ids)
         elif r.messages is not None:
-            ids = _tools(text).encode_chat(r.messages, where)
-        elif s.generate.chat:
-            ids = _tools(text).encode_chat(_messages(r.prompt, s.generate.system), where)
+            ids = _tools(text).encode_chat(r.messages, where, r.tools)
         else:
-            ids = _tools(text).need_tokenizer(where).encode(r.prompt)
+            ids = _encode_text(r.prompt, where, s, _tools(text))
         own = {k: getattr(r, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
         own = {k: (tuple(v) if k == "stop" else v) for k, v in own.items() if v is not None}
         seed = r.seed if r.seed is not None else s.generate.seed + r.index

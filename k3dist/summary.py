@@ -34,7 +34,9 @@ def print_summary(result: dict) -> None:
                 f", prefill {result['prefill_seconds'] * 1e3:.0f} ms, decode "
                 f"{result['decode_tokens_per_second']:.1f} tok/s (p50 {result['step_ms']['p50']:.1f} ms/step)"
             )
-            for i, seq in enumerate(result["tokens"][:4]):
-                print(f"  seq {i}: {seq[:16]}{' ...' if len(seq) > 16 else ''}")
+            texts = result.get("text") or [None] * len(result["tokens"])
+            for i, (seq, text) in enumerate(list(zip(result["tokens"], texts, strict=True))[:4]):
+                shown = repr(text[:120]) if text is not None else f"{seq[:16]}{' ...' if len(seq) > 16 else ''}"
+                print(f"  seq {i} ({len(seq)} tokens, {result['finish_reason'][i]}): {shown}")
         else:
             print()
