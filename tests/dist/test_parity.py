@@ -7,6 +7,7 @@ largest logit error.
 """
 
 import functools
+from functools import partial
 import json
 import tempfile
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from k3dist.weights.twin import write_checkpoint
 
 from tests.support.configs import small_config
-from tests.support.harness import teacher_forced
+from tests.support.harness import generate, teacher_forced
 from tests.support.ranks import expect_ok, run_ranks
 
 STEPS = 16
@@ -155,3 +156,21 @@ def saved_by_transformers(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2])
 def test_checkpoint_written_by_transformers_matches(saved_by_transformers, world, tmp_path):
     check_fp32(saved_by_transformers, world, tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_compiled_engine_matches_transformers(small_dirs, world):
+    """decode.compile=on through the real engine: the same greedy tokens as transformers, and each step's top-5
+    logits equal to transformers' logits at those tokens."""
+    model_dir = str(small_dirs["small"])
+    prompt, tokens, ref = reference(model_dir)
+    requests = [{"ids": p, "max_new_tokens": STEPS} for p in prompt.tolist()]
+    out = expect_ok(run_ranks(partial(generate, capture="compile"), world, model_dir, requests, len(requests), timeout=600))
+    T, scale = prompt.shape[1], ref.abs().max().item()
+    for b, c in enumerate(out[0]):
+        assert c["tokens"] == tokens[b].tolist()
+        for t, top in enumerate(c["top"]):
+            ids = [i for i, _ in top]
+            want = ref[b, T - 1 + t, ids]
+            assert (torch.tensor([v for _, v in top]) - want).abs().max().item() <= 1e-4 * scale
+            assert ids == ref[b, T - 1 + t].topk(5).indices.tolist()

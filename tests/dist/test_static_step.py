@@ -1,0 +1,94 @@
+"""The decode step is one static function: no host read inside it, and one compile that holds for every step, on
+real ranks. (Compiled tokens equal eager ones and transformers': tests/dist/test_parity.py.)"""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from k3dist import dist
+from k3dist.decode import DecodeStep
+from k3dist.engine import Engine, Prompt
+from k3dist.sampling import SamplingMode
+from k3dist.weights.twin import write_checkpoint
+from tests.support.configs import small_config
+from tests.support.harness import bind
+from tests.support.ranks import expect_ok, run_ranks
+
+HOST_READS = {"item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__"}
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "unique_dim", "_to_copy_cpu"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts Python-level reads of tensor values on the host (Tensor.item, tolist, bool(), .cpu(), ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in HOST_READS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class SyncOps(TorchDispatchMode):
+    """Counts aten ops that need the values on the host (a scalar read, data-dependent shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname in SYNC_OPS:
+            self.seen.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_checkpoint(small_config(), tmp_path_factory.mktemp("step"), seed=4, dtype="float32"))
+
+
+def _count_host_reads(model_dir: str, batch: int, sample: bool) -> dict:
+    rt, cfg, model, cache = bind(model_dir, "float32", batch, 64)
+    step = DecodeStep(model, cache, 16, SamplingMode(sample, sample))
+    engine = Engine(step, prefill_chunk=8, sync_every=4)
+    prompts = [Prompt(f"r{i}", tuple(range(3 + i, 9 + 2 * i)), 16, temperature=0.7 * sample, top_p=0.9) for i in range(batch)]
+    engine._admit([(i, i, p) for i, p in enumerate(prompts)])  # prefill every slot, outside the step
+    reads, ops = HostReads(), SyncOps()
+    with reads, ops:
+        for _ in range(6):
+            step()
+    dist.shutdown()
+    return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_no_host_sync_inside_the_step(model_dir, world, batch):
+    for sample in (False, True):
+        for r in expect_ok(run_ranks(_count_host_reads, world, model_dir, batch, sample)):
+            assert r["reads"] == [] and r["ops"] == [], r
+            assert r["positions"] == [6 + i + 6 for i in range(batch)]  # each slot at its own position
+
+
+def _compiled_holds(model_dir: str, steps: int) -> dict:
+    """Compile the step (fullgraph), then run `steps` steps where any recompilation raises."""
+    rt, cfg, model, cache = bind(model_dir, "float32", 2, 64)
+    step = DecodeStep(model, cache, steps + 1, SamplingMode(False, False), "compile")
+    step.warm_up()
+    engine = Engine(step, prefill_chunk=8, sync_every=steps)
+    engine._admit([(0, 0, Prompt("a", (5, 9, 2, 7), steps + 1)), (1, 1, Prompt("b", (11, 4, 8), steps + 1))])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(steps):
+            step()
+    tokens = step.out_tokens[:, : steps + 1].tolist()
+    dist.shutdown()
+    return {"tokens": tokens, "warmup": step.warmup_seconds}
+
+
+def test_compiled_step_holds_for_32_steps(model_dir):
+    (r,) = expect_ok(run_ranks(_compiled_holds, 1, model_dir, 32, timeout=600))
+    assert r["warmup"] > 0 and all(len(t) == 33 for t in r["tokens"])
