@@ -137,9 +137,9 @@ def test_chat_prompt_renders_the_checkpoint_template(model_dir, tmp_path):
     from k3dist.text.tokenizer import load_tokenizer
 
     rendered = load_tokenizer(model_dir).decode(result["prompt"][0])
-    assert (
-        rendered
-        == "<|im_system|>system<|im_middle|>sys<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    assert rendered == (
+        "<|im_system|>system<|im_middle|>sys<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
     )
 
 
