@@ -90,6 +90,7 @@ class Engine:
         self.make_assembler, self.faults, self.rank = make_assembler, faults or Faults(), rank
         self.device = self.cache.positions.device
         self.timings = Timings()
+        self.stage = "prefill"  # what the engine is doing: prefill or decode (named in a failure)
         self.on_text: Callable[[int, str], None] | None = None  # (request index, new text)
         self.on_done: Callable[[int, Completion], None] | None = None
 
@@ -127,6 +128,7 @@ class Engine:
 
     def _admit(self, admitted: list[tuple[int, int, Prompt]]) -> dict[int, "_Live"]:
         """Reset the slots, prefill their prompts (same-length prompts together), emit each first token."""
+        self.stage = "prefill"
         self.faults.after_load(self.rank, "prefill")
         _sync(self.device)
         start = time.perf_counter()
@@ -163,6 +165,7 @@ class Engine:
     # ------------------------------------------------------------------ decode
 
     def _decode(self, steps: int, live: int) -> None:
+        self.stage = "decode"
         self.faults.after_load(self.rank, "decode")
         start = time.perf_counter()
         for _ in range(steps):

@@ -66,8 +66,11 @@ def staged(stage: str, rt: dist.Runtime, fn):
     return value
 
 
-def after_load(stage: str, rt: dist.Runtime, fn):
+def after_load(stage, rt: dist.Runtime, fn):
     """Run prefill/decode work; a failure on any rank ends every rank with that rank's line.
+
+    `stage` is a name, or a function that names the stage the work is in when it fails (the engine's prefill or
+    decode).
 
     The failing rank publishes its error before it exits; a peer blocked in a collective with it sees that
     collective fail (its peer left, or NCCL was aborted) and prints the published line instead of its own.
@@ -75,6 +78,7 @@ def after_load(stage: str, rt: dist.Runtime, fn):
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - every failure after the load must reach the peers
+        stage = stage() if callable(stage) else stage
         own = str(exc) if isinstance(exc, K3Error) else f"{stage} failed: {type(exc).__name__}: {exc}"
         own = own if own.startswith("rank ") else f"rank {rt.rank}: {own}"
         if isinstance(exc, torch.OutOfMemoryError):
@@ -224,7 +228,7 @@ def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new) -> dict:
     out = Output(s, rt, prompts, engine)
     dist.abort_on_peer_failure(rt)
     after_load("warm-up", rt, step.warm_up)
-    completions: list[Completion] = after_load("generate", rt, lambda: engine.run(prompts))
+    completions: list[Completion] = after_load(lambda: engine.stage, rt, lambda: engine.run(prompts))
     out.close(completions)
     t = engine.timings
     return {

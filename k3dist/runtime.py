@@ -19,7 +19,7 @@ from .config import ModelConfig
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
 HOST_ALLOWANCE = 96 * MiB  # first-use library state on CPU, measured by tests/dist/test_memory_plan.py
-KDA_CHUNK = 64  # kernels/kda.py's chunk length
+KDA_CHUNK = 16  # kernels/kda.py's chunk length
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, st
 
 
 def kda_prefill(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = 64
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = 16
 ) -> Tensor:
     """Chunked (WY) form of the recurrence; equals `kda_decode_step` applied token by token.
 

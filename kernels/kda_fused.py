@@ -1,14 +1,15 @@
 """The whole KDA decode step after the projections, as one function: the signature a fused GPU kernel implements.
 
 conv-state update + SiLU, l2norm of q and k, forget gate, beta, delta rule, output read, gated RMSNorm. This torch
-version composes the reference pieces (conv.py, kda.py, norm.py) with exactly the model's roundings, so it is the
-oracle for the Triton kernel (kda_triton.py) and the CPU path.
+version does the reference math (conv.py, kda.py, norm.py) with exactly the model's roundings, for q, k and v at
+once, so it is both the oracle for the Triton kernel (kda_triton.py) and a CPU path with few ops.
 """
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .conv import causal_conv_step
-from .kda import kda_decode_step, kda_gate
+from .kda import kda_gate
 from .norm import gated_rmsnorm
 
 
@@ -36,8 +37,19 @@ def kda_decode_fused(
     B, _, P = qkv.shape
     H = beta_raw.shape[-1]
     d = P // H
-    q, k, v = (causal_conv_step(qkv[:, i], conv_w[i], conv_state[:, i]).view(B, H, d) for i in range(3))
+    # short conv + SiLU (conv.py's causal_conv_step for the three at once): fp32 products, rounded once
+    window = torch.cat([conv_state, qkv.unsqueeze(-1)], dim=-1)  # [B, 3, P, K]
+    conv_state.copy_(window[..., 1:])
+    mixed = F.silu((window.float() * conv_w.float()).sum(-1).to(conv_w.dtype)).to(qkv.dtype)
+    q, k, v = mixed.float().view(B, 3, H, d).unbind(1)
+    # l2norm (eps inside the sqrt) and the q scale, gate and beta in fp32 (kda.py)
+    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d**-0.5)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     g = kda_gate(g_raw.view(B, H, d), A_log, dt_bias)
-    beta = beta_raw.float().sigmoid()
-    o = kda_decode_step(q.float(), k, v, g, beta, state)  # fp32 q: the output stays unrounded into the norm
+    beta = beta_raw.float().sigmoid().unsqueeze(-1)
+    # delta rule on the key-major state: decay, write beta * (v - S^T k) along k, read S^T q
+    state.mul_(g.exp().unsqueeze(-1))
+    u = beta * (v - (k.unsqueeze(-2) @ state).squeeze(-2))
+    state.addcmul_(k.unsqueeze(-1), u.unsqueeze(-2))
+    o = (q.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, d], fp32: unrounded into the norm
     return gated_rmsnorm(o, gate.view(B, H, d), o_norm, eps).to(qkv.dtype).reshape(B, P)

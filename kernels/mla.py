@@ -8,6 +8,7 @@ Softmax runs in fp32 and is cast back to the input dtype, like transformers' eag
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 
 def mla_decode(q_nope_absorbed: Tensor, q_pe: Tensor, latent: Tensor, lengths: Tensor, scale: float) -> Tensor:
@@ -27,11 +28,29 @@ def mla_decode(q_nope_absorbed: Tensor, q_pe: Tensor, latent: Tensor, lengths: T
 def mla_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, past: int = 0) -> Tensor:
     """Causal attention of T new queries over past + T keys (query i sees keys 0 .. past + i).
 
-    q: [B, T, H, dqk]; k: [B, past + T, H, dqk]; v: [B, past + T, H, dv]. Returns [B, T, H, dv].
+    q: [B, T, H, dqk]; k: [B, past + T, H, dqk]; v: [B, past + T, H, dv]. Returns [B, T, H, dv] in q's dtype.
+    Memory stays O(T) in the number of keys: no [T, past + T] score matrix is ever formed (see _flash_cpu).
     """
-    T, S = q.shape[1], k.shape[1]
-    mask = None if past == 0 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=past == 0, scale=scale
-    )
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, *, d]
+    if past == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    elif q.device.type == "cpu":
+        out = _flash_cpu(q, k, v, scale, past)
+    else:  # CUDA's fused kernels take a lower-right causal bias without materialising it
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
     return out.transpose(1, 2).contiguous()
+
+
+def _flash_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, past: int) -> Tensor:
+    """A chunk after `past` tokens on the CPU: torch's CPU SDPA forms the whole score matrix whenever a mask is
+    given, so attend to the past keys (all visible, no mask) and to the chunk's own keys (causal) separately with the
+    flash kernel, and merge the two by their log-sum-exps. v is zero-padded to q's head size (the kernel needs one)."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, lse1 = flash(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)[:2]
+    o2, lse2 = flash(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)[:2]
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp().unsqueeze(-1), (lse2 - top).exp().unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2))[..., :dv].to(q.dtype)

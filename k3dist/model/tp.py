@@ -47,7 +47,8 @@ class TPComm:
         local: [B, V_local]. Returns (values [B, k] fp32, ids [B, k] int64), best first.
         """
         k_local = min(k, local.shape[-1])
-        values, ids = local.float().topk(k_local, dim=-1)
+        values, ids = local.topk(k_local, dim=-1)
+        values = values.float()
         if self.world == 1:
             return values, ids
         values = torch.nn.functional.pad(values, (0, k - k_local), value=float("-inf"))

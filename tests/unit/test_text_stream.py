@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from k3dist.text.stream import TextAssembler
 from k3dist.text.tokenizer import load_tokenizer
-
-from .kimi_files import write_kimi_dir
+from tests.support.kimi_files import write_kimi_dir
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ from k3dist.errors import K3Error
 from k3dist.text.json_tokenizer import byte_level_chars
 from k3dist.text.kimi_bpe import pieces
 from k3dist.text.tokenizer import load_tokenizer
-
-from .kimi_files import KIMI_PATTERN, write_kimi_dir
+from tests.support.kimi_files import KIMI_PATTERN, write_kimi_dir
 
 TEXTS = [
     "中文English混合",

@@ -17,9 +17,8 @@ from k3dist.text.tokenizer import load_tokenizer
 from k3dist.text.twin_tokenizer import CORPUS, trained_tokens, write_tokenizer
 from k3dist.weights import twin
 from k3dist.weights.twin import ensure_twin, write_checkpoint
-
-from ..configs import small_config, twin_config
-from .kimi_files import KIMI_OFFSETS, KIMI_PATTERN
+from tests.support.configs import small_config, twin_config
+from tests.support.kimi_files import KIMI_OFFSETS, KIMI_PATTERN
 
 FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SAMPLE = "The keeper wound the clock at 07:42. 山城的雨季 started; HelloWorld = parseJsonValue(x) + 12345!\n"
