@@ -34,7 +34,7 @@ from .settings import Settings, parse
 from .summary import print_summary
 from .weights.inventory import inside, scan
 from .weights.loader import load_weights
-from .weights.memory import detect_free, peak_bytes
+from .weights.memory import detect_free, peak_bytes, start_peak_window, window_peak
 from .weights.schema import expected_tensors
 from .weights.twin import ensure_twin
 from .weights.whatif import plan_all_ranks
@@ -114,12 +114,22 @@ def run_rank(job: dict) -> dict | None:
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
     result = plan_only(s, rt) if s.run.mode == "plan" else load_and_generate(s, rt)
+    memory = dist.exchange(measured_memory(rt.device, result.pop("runtime_measured", None)), rt)
     if rt.is_main:
-        result["peak_bytes"] = peak_bytes(rt.device)  # rank 0's peak (RSS on CPU, allocation on CUDA)
+        result["peak_bytes"] = memory[0]["peak_bytes"]  # rank 0's peak (RSS on CPU, allocation on CUDA)
+        result["memory"] = memory  # every rank's measured peaks, beside the plan's figures
         write_result(result, s.out)
         print_summary(result)
     dist.shutdown()  # only on success: tearing down a group whose peer failed can block; exiting frees it all
     return result if rt.is_main else None
+
+
+def measured_memory(device: torch.device, runtime: dict | None) -> dict:
+    """What this rank really used: its lifetime peak, and the peak of generation above what it held before."""
+    out = {"peak_bytes": peak_bytes(device)}
+    if device.type == "cuda":
+        out["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
+    return out | (runtime or {})
 
 
 def reserve_of(s: Settings, device: torch.device) -> int:
@@ -227,8 +237,10 @@ def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new) -> dict:
     engine = Engine(step, s.generate.prefill_chunk, s.decode.sync_every, eos, _assembler(tokenizer), s.fault, rt.rank)
     out = Output(s, rt, prompts, engine)
     dist.abort_on_peer_failure(rt)
+    held = start_peak_window(rt.device)
     after_load("warm-up", rt, step.warm_up)
     completions: list[Completion] = after_load(lambda: engine.stage, rt, lambda: engine.run(prompts))
+    runtime_peak = window_peak(rt.device) - held
     out.close(completions)
     t = engine.timings
     return {
@@ -243,6 +255,7 @@ def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new) -> dict:
         "step_ms": t.step_ms(),
         "kernels": model.kernels.name,
         "decode_compile": step.kind,
+        "runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": runtime_peak},
     } | out.paths()
 
 

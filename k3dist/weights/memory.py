@@ -121,3 +121,33 @@ def default_reserve(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return 2 * 2**30 + torch.cuda.get_device_properties(device).total_memory * 3 // 100
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_peak_window(device: torch.device) -> int:
+    """Start measuring a phase's own peak; returns the memory in use now (RSS on CPU, allocation on CUDA).
+
+    On Linux the CPU high-water mark is reset through /proc/self/clear_refs, so `window_peak` reads this phase's peak
+    only; where that is not allowed the process's lifetime peak stands in (an overestimate).
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS:")
+
+
+def window_peak(device: torch.device) -> int:
+    """The peak since start_peak_window (allocation on CUDA, resident set on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _status_bytes("VmHWM:") or peak_bytes(device)
