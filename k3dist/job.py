@@ -34,7 +34,7 @@ from .settings import Settings, parse
 from .summary import print_summary
 from .weights.inventory import inside, scan
 from .weights.loader import load_weights
-from .weights.memory import detect_free, peak_bytes, start_peak_window, window_peak
+from .weights.memory import detect_free, peak_bytes, return_freed_memory, start_peak_window, window_peak
 from .weights.schema import expected_tensors
 from .weights.twin import ensure_twin
 from .weights.whatif import plan_all_ranks
@@ -113,6 +113,7 @@ def run_rank(job: dict) -> dict | None:
     setup_logging(rt.rank)
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
+        return_freed_memory()
     result = plan_only(s, rt) if s.run.mode == "plan" else load_and_generate(s, rt)
     memory = dist.exchange(measured_memory(rt.device, result.pop("runtime_measured", None)), rt)
     if rt.is_main:

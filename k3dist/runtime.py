@@ -15,6 +15,7 @@ Terms (each an upper bound of what is alive at once, in bytes):
 from dataclasses import asdict, dataclass
 
 from .config import ModelConfig
+from .model.mla import KEY_BLOCK
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
@@ -37,8 +38,9 @@ class RuntimeMemory:
         return asdict(self) | {"total": self.total}
 
 
-def _prefill(cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int, s: int) -> int:
-    """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions."""
+def _prefill(cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int, s: int, cpu: bool = True) -> int:
+    """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions
+    (on the CPU MLA expands at most one key block of them at a time)."""
     D = cfg.hidden_size
     residual = 3 * tokens * D * 4 + tokens * D * s  # h, h + mixer(x), the mixer's fp32 output; the normed input
     kinds = [0]
@@ -53,11 +55,12 @@ def _prefill(cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int,
     if cfg.count(mixer="mla"):
         H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
         dqk, dv = cfg.qk_nope_dim + dr, cfg.v_head_dim
-        rows = seqs * longest  # keys and values reach back to the start of the sequence
+        chunk = tokens // seqs
+        rows = seqs * (min(longest, KEY_BLOCK + chunk) if cpu else longest)  # expanded keys and values
         proj = tokens * (H * dqk + r + dr) * s * 2
         expanded = rows * ((r + dr) * s + H * (cfg.qk_nope_dim + dv) * s + H * dqk * s)  # rows, kv, keys
-        scores = seqs * H * (tokens // seqs) * longest * 4  # a masked attention may materialise its scores
-        kinds.append(proj + expanded + scores + tokens * H * dv * s * 2 + tokens * D * 4 * 2)
+        merged = 3 * tokens * H * dqk * 4  # block outputs and the running merge, fp32 (padded to dqk)
+        kinds.append(proj + expanded + merged + tokens * H * dv * s * 2 + tokens * D * 4 * 2)
     if cfg.count(mlp="moe"):
         k, E, I_ = cfg.top_k, cfg.num_experts, cfg.expert_size // world
         routed = tokens * k * (D * s + 3 * I_ * s + D * s + D * 4 + 3 * 8)  # sorted x, gate/up, act, down, fp32
@@ -82,13 +85,13 @@ def runtime_memory(
 ) -> RuntimeMemory:
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     tokens = batch * min(prefill_chunk, longest_prompt)
-    prefill = _prefill(cfg, world, tokens, batch, longest_prompt, s)
+    prefill = _prefill(cfg, world, tokens, batch, longest_prompt, s, cpu=device_type == "cpu")
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits
     outputs = batch * max(max_new_tokens, 1) * (8 + 5 * (8 + 4))
     if device_type == "cuda":
-        step = _prefill(cfg, world, batch, batch, 1, s) + logits  # the graph pool holds one step's tensors
+        step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # the graph pool: one step's tensors
         device = step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE

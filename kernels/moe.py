@@ -24,18 +24,22 @@ def experts_gathered(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: T
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """Rows of x grouped by expert (group e ends at offsets[e]) times w[e]^T: x [M, D], w [E, O, D] -> [M, O].
 
-    torch._grouped_mm where this torch has it for the device and dtype; otherwise a loop over the groups (reads the
-    offsets on the host: prefill only).
+    CUDA: torch._grouped_mm where this torch has it (bf16), one kernel for all groups. Otherwise a loop over the
+    groups (it reads the offsets on the host: prefill only), in fp32 on the CPU: oneDNN compiles and keeps a kernel
+    for every new bf16 GEMM shape (about 0.7 MiB each, milliseconds to build), and group sizes change with every
+    chunk, so bf16 here would make memory grow through a long run. fp32 products of bf16 values, summed in fp32,
+    are what a bf16 GEMM computes too; the result is rounded once to x's dtype.
     """
-    if hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         try:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets.to(torch.int32))
-        except RuntimeError:  # a device/dtype/alignment this build's kernel refuses: fall back below
+        except RuntimeError:  # an alignment or architecture this build's kernel refuses: the loop below
             pass
+    compute = torch.float32 if x.device.type == "cpu" else x.dtype
     out, start = x.new_empty(x.shape[0], w.shape[1]), 0
     for e, stop in enumerate(offsets.tolist()):
         if stop > start:
-            out[start:stop] = x[start:stop] @ w[e].T
+            out[start:stop] = (x[start:stop].to(compute) @ w[e].to(compute).T).to(x.dtype)
         start = stop
     return out
 

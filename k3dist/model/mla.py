@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.mla import mla_prefill
+from ..kernels.mla import attend_blocks, mla_prefill
 from .layers import rmsnorm
 
 LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (HF remote code, transformers), not rms_norm_eps
+KEY_BLOCK = 1024  # CPU prefill expands the cached latent this many positions at a time
 
 
 class MLA:
@@ -46,15 +47,33 @@ class MLA:
         o = torch.einsum("bhr,hvr->bhv", ctx, self.w_vb).reshape(B, -1)
         return self.comm.all_reduce(F.linear(o, self.o_proj).float())
 
+    def _keys(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Cached rows [n, S, r + dr] expanded through kv_b_proj: keys [n, S, H, dn + dr], values [n, S, H, dv]."""
+        n, S, _ = rows.shape
+        kv = F.linear(rows[..., : self.r], self.wkvb).view(n, S, self.heads, self.dn + self.dv)
+        k_pe = rows[..., None, self.r :].expand(n, S, self.heads, self.dr)
+        return torch.cat([kv[..., : self.dn], k_pe], dim=-1), kv[..., self.dn :]
+
     def prefill(self, x: Tensor, slots: Tensor, start: int) -> Tensor:
-        """x: [n, T, D] normed, continuing slots `slots` [n] at position `start`. Returns [n, T, D] fp32."""
+        """x: [n, T, D] normed, continuing slots `slots` [n] at position `start`. Returns [n, T, D] fp32.
+
+        On the CPU the past is expanded KEY_BLOCK positions at a time and merged by log-sum-exp, so memory and GEMM
+        shapes do not grow with the prompt; on CUDA one fused attention reads every expanded key.
+        """
         n, T, _ = x.shape
         q, row = self._project(x)
         at = torch.arange(start, start + T, device=x.device)
         self.latent[slots[:, None], at[None, :]] = row.to(self.latent.dtype)
-        rows = self.latent[slots, : start + T]  # [n, start + T, r + dr]
-        kv = F.linear(rows[..., : self.r], self.wkvb).view(n, start + T, self.heads, self.dn + self.dv)
-        k_pe = rows[..., None, self.r :].expand(n, start + T, self.heads, self.dr)
-        k = torch.cat([kv[..., : self.dn], k_pe], dim=-1)
-        o = mla_prefill(q, k, kv[..., self.dn :], self.scale, past=start).reshape(n, T, -1)
-        return self.comm.all_reduce(F.linear(o, self.o_proj).float())
+        if x.device.type == "cpu" and start:
+            o = attend_blocks(q.transpose(1, 2), self._blocks(slots, start, T), self.scale).transpose(1, 2)
+        else:
+            k, v = self._keys(self.latent[slots, : start + T])
+            o = mla_prefill(q, k, v, self.scale, past=start)
+        return self.comm.all_reduce(F.linear(o.reshape(n, T, -1), self.o_proj).float())
+
+    def _blocks(self, slots: Tensor, start: int, T: int):
+        """(keys, values, causal) head-major, block by block: the past in KEY_BLOCK pieces, then the chunk itself."""
+        for a in [*range(0, start, KEY_BLOCK), start]:
+            b = min(a + KEY_BLOCK, start) if a < start else start + T
+            k, v = self._keys(self.latent[slots, a:b])
+            yield k.transpose(1, 2), v.transpose(1, 2), a == start

@@ -1,5 +1,6 @@
 """Per-rank memory plan (docs/memory.md) and free-memory detection (CUDA, or cgroup-aware host RAM)."""
 
+import ctypes
 import os
 import resource
 from dataclasses import asdict, dataclass
@@ -107,11 +108,14 @@ def detect_free(device: torch.device, local_world: int = 1) -> int:
     return host_available() // max(local_world, 1)
 
 
+_EARLIER_PEAK = 0  # the peak before a measuring window reset the counters (start_peak_window)
+
+
 def peak_bytes(device: torch.device) -> int:
     """This process's peak: torch's peak allocation on CUDA, the peak resident set on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return max(_EARLIER_PEAK, torch.cuda.max_memory_allocated(device))
+    return max(_EARLIER_PEAK, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
 
 
 def default_reserve(device: torch.device) -> int:
@@ -134,8 +138,11 @@ def start_peak_window(device: torch.device) -> int:
     """Start measuring a phase's own peak; returns the memory in use now (RSS on CPU, allocation on CUDA).
 
     On Linux the CPU high-water mark is reset through /proc/self/clear_refs, so `window_peak` reads this phase's peak
-    only; where that is not allowed the process's lifetime peak stands in (an overestimate).
+    only; where that is not allowed the process's lifetime peak stands in (an overestimate). `peak_bytes` still
+    reports the lifetime peak.
     """
+    global _EARLIER_PEAK
+    _EARLIER_PEAK = peak_bytes(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
@@ -151,3 +158,19 @@ def window_peak(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _status_bytes("VmHWM:") or peak_bytes(device)
+
+
+def return_freed_memory() -> None:
+    """CPU ranks: make glibc give large freed blocks back to the system at once.
+
+    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and keeps freed heap memory
+    resident, so a process's RSS stays near its highest transient: the memory plan could not mean what it says. A
+    fixed 4 MiB threshold sends every larger tensor through mmap/munmap, so prefill activations leave with their
+    chunk. No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 8 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
