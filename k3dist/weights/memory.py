@@ -118,12 +118,15 @@ def peak_bytes(device: torch.device) -> int:
     return max(_EARLIER_PEAK, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
 
 
+CPU_RESERVE = 64 * 2**20  # the libraries' own state after a load (tokenizer tables, thread pools): ~36 MiB measured
+
+
 def default_reserve(device: torch.device) -> int:
-    """memory.reserve when none is given: 0 on CPU (the plan's host allowance covers library state); on CUDA 2 GiB
-    plus 3% of the device, for the caching allocator's block rounding and fragmentation and for NCCL/cuBLAS growth
-    beyond the plan's workspace term (docs/memory.md says how to check it against max_memory_reserved)."""
+    """memory.reserve when none is given: 64 MiB on the CPU (CPU_RESERVE); on CUDA 2 GiB plus 3% of the device, for
+    the caching allocator's block rounding and fragmentation and for NCCL/cuBLAS growth beyond the plan's workspace
+    term (docs/memory.md says how to check it against max_memory_reserved)."""
     if device.type != "cuda":
-        return 0
+        return CPU_RESERVE
     return 2 * 2**30 + torch.cuda.get_device_properties(device).total_memory * 3 // 100
 
 

@@ -1,0 +1,62 @@
+"""The plan covers the real peak: on the CPU, a rank's peak resident set minus a bare interpreter's (torch imported)
+stays at or below its `admitted`, at batch 1 and 4, prompts of 16, 2048 and 8192 tokens, world 1 and 2; and
+`runtime_bytes` stays within 2x of the memory generation really added (result.json's measured `memory`)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from k3dist.weights.twin import write_checkpoint
+from tests.support.cli_run import run_cli
+from tests.support.configs import small_config
+
+# Big enough that activations, not interpreter noise, decide the figures; small enough to prefill 4 x 8192 quickly.
+MEMORY_CONFIG = small_config(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1024,
+    linear_attn_config={"head_dim": 64, "num_heads": 4},
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    num_experts=8,
+    moe_intermediate_size=256,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(MEMORY_CONFIG, tmp_path_factory.mktemp("mem") / "m", seed=1, tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def bare_rss() -> int:
+    code = "import resource, torch; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("prompt", [16, 2048, 8192])
+def test_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world, batch, prompt):
+    rc, text, result = run_cli(
+        tmp_path,
+        f"model.path={model_dir}",
+        "generate.prompt=null",
+        f"generate.prompt_len={prompt}",
+        f"generate.batch={batch}",
+        "generate.max_new_tokens=4",
+        f"cache.cap={prompt + 8}",
+        f"dist.nproc={world}",
+        timeout=400,
+    )
+    assert rc == 0, text
+    assert len(result["memory"]) == len(result["plan"]) == world
+    for plan, used in zip(result["plan"], result["memory"], strict=True):
+        report = json.dumps({"plan": plan, "used": used, "bare": bare_rss})
+        assert used["peak_bytes"] - bare_rss <= plan["admitted"], report
+        runtime, measured = plan["runtime_bytes"], used["runtime_peak_bytes"]
+        assert measured / 2 <= runtime <= 2 * measured, report
