@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import dist
+from . import dist, signals
 from .errors import K3Error
 from .job import exit_with_error, run_rank
 from .units import fmt_bytes, parse_bytes
@@ -34,6 +34,7 @@ FIELDS = ["verdict", "admitted_bytes", "free_bytes", "load_seconds", "decode_tok
 def point_rank(job: dict) -> int:
     """One rank of a sweep point; returns its peak memory. A user error also lands in torch elastic's error file
     (exit_with_error), where the launcher reads it back for the point's record."""
+    signals.as_rank(announce=False)
     try:
         run_rank(job)
     except K3Error as exc:
