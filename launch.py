@@ -20,8 +20,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from k3dist import signals
 from k3dist.errors import K3Error
-from k3dist.settings import parse
 
 QUIET_RANK_OVERRIDES = [
     "hydra.output_subdir=null",
@@ -35,8 +35,15 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ)
 
 
+def rank_zero() -> bool:
+    """Whether this process speaks for the run: torchrun's rank 0, or the launcher itself."""
+    return os.environ.get("RANK", "0") == "0" if under_torchrun() else True
+
+
 def launch_ranks(job: dict, nproc: int, entry) -> dict:
     """Run `entry(job)` on `nproc` ranks started here (torch elastic, spawn); returns each rank's return value."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from k3dist.dist import free_port
@@ -55,7 +62,19 @@ def launch_ranks(job: dict, nproc: int, entry) -> dict:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    return elastic_launch(config, entry)(job)
+    try:
+        try:
+            with signals.held_for_children():
+                return elastic_launch(config, entry)(job)
+        finally:  # torch elastic leaves its handlers behind: their SignalException a sweep's next point would swallow
+            signals.as_launcher(announce=True)
+    except SignalException as exc:  # the agent already forwarded the signal to the ranks and waited for them
+        raise signals.Interrupted(exc.sigval) from None
+    except ChildFailedError as exc:  # the ranks saw the signal first (a terminal's Ctrl-C reaches them all)
+        codes = {signals.interrupt_code(f.exitcode) for f in exc.failures.values()}
+        if len(codes) == 1 and None not in codes:
+            raise signals.Interrupted(codes.pop()) from None
+        raise
 
 
 def unreported(exc) -> str | None:
@@ -110,6 +129,8 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     if job.get("out") is None:
         job["out"] = str(Path(hc.runtime.output_dir) / "result.json")
+    from k3dist.settings import parse  # imports torch: here, once `__main__` below has set up signal handling
+
     try:
         nproc = parse(job).dist.nproc  # every override checked here: a bad value is one `error:` line
         if hc.mode == RunMode.MULTIRUN:
@@ -119,6 +140,7 @@ def main(cfg: DictConfig) -> None:
 
             from k3dist.job import run_rank
 
+            signals.as_rank(announce=rank_zero())  # this process is the rank: it ends even mid-collective
             record(run_rank)(job)
         else:
             spawn(job, nproc)
@@ -129,7 +151,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+    signals.as_launcher(announce=rank_zero())  # before torch is imported: one line at any point, no traceback
+    if not rank_zero():
         sys.argv += QUIET_RANK_OVERRIDES
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing: composition errors below
     try:
@@ -137,3 +160,9 @@ if __name__ == "__main__":
     except (HydraException, OmegaConfBaseException) as exc:  # unknown key, group option or bad override syntax
         print(K3Error(f"bad config or override: {exc}").line, file=sys.stderr)
         sys.exit(1)
+    except signals.Interrupted as exc:  # every rank has ended: a sweep's summary of its finished points, the line
+        signals.report(exc.signum)
+        logging.disable()  # the line is the last word: no library's exit-time logging (torch's cache stats) after it
+        sys.exit(exc.code)
+elif __name__ == "__mp_main__":  # a rank launch_ranks spawned, importing this file before its entry runs
+    signals.as_rank(announce=False)  # its launcher prints the line

@@ -17,7 +17,7 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from . import dist
+from . import dist, signals
 from .cache import HybridCache, cache_nbytes, cache_shapes
 from .config import ModelConfig, load_config, validate_topology
 from .decode import DecodeStep, capture_kind
@@ -293,7 +293,8 @@ def exit_with_error(exc: K3Error) -> NoReturn:
 
 @record
 def rank_entry(job: dict) -> None:
-    """Entry point of a rank spawned by launch.py."""
+    """Entry point of a rank spawned by launch.py (which prints the line if a signal ends the run)."""
+    signals.as_rank(announce=False)
     try:
         run_rank(job)
     except K3Error as exc:

@@ -10,6 +10,7 @@ set on cpu and torch's peak allocation on cuda.
 import csv
 import io
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import dist
+from . import dist, signals
 from .errors import K3Error
 from .job import exit_with_error, run_rank
 from .units import fmt_bytes, parse_bytes
@@ -34,6 +35,7 @@ FIELDS = ["verdict", "admitted_bytes", "free_bytes", "load_seconds", "decode_tok
 def point_rank(job: dict) -> int:
     """One rank of a sweep point; returns its peak memory. A user error also lands in torch elastic's error file
     (exit_with_error), where the launcher reads it back for the point's record."""
+    signals.as_rank(announce=False)
     try:
         run_rank(job)
     except K3Error as exc:
@@ -44,8 +46,11 @@ def point_rank(job: dict) -> int:
 def write_point(
     job_dir: Path, num: int, overrides: list[str], out: str, peaks: list[int] | None = None, error: str | None = None
 ) -> None:
+    """The point's record, whole or not at all: an interrupt may end the sweep (and summarize it) mid-write."""
     record = {"num": num, "overrides": overrides, "out": str(Path(out).resolve()), "peak_bytes": peaks, "error": error}
-    (job_dir / POINT).write_text(json.dumps(record, indent=1))
+    tmp = job_dir / f"{POINT}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, job_dir / POINT)
 
 
 def tightest(pairs: list[tuple[int, int]]) -> tuple[int, int]:
@@ -105,12 +110,19 @@ def markdown(rows: list[dict], keys: list[str]) -> str:
 
 
 class SweepSummary(Callback):
-    """After a multirun: one row per point of this sweep, as CSV and Markdown in the sweep dir, and printed."""
+    """After a multirun: one row per point of this sweep, as CSV and Markdown in the sweep dir, and printed.
+
+    An interrupted sweep never reaches Hydra's on_multirun_end: the launcher runs it on its way out instead, for the
+    points that finished.
+    """
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self.started = time.time()  # points left in a reused sweep dir by an earlier sweep are not this sweep's
+        self.interrupted = lambda: self.on_multirun_end(config)
+        signals.on_interrupt(self.interrupted)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        signals.discard(getattr(self, "interrupted", None))
         sweep_dir = Path(str(config.hydra.sweep.dir))
         files = [p for p in sweep_dir.rglob(POINT) if p.stat().st_mtime >= self.started]
         points = sorted((json.loads(p.read_text()) for p in files), key=lambda p: p["num"])

@@ -28,6 +28,7 @@ from k3dist.weights.twin import write_checkpoint
 
 from tests.support.cli_run import error_lines, run_cli
 from tests.support.configs import small_config
+from tests.support.procs import marked, reap
 from tests.support.ranks import expect_ok, run_ranks
 
 TIMEOUT_S = 3  # dist.timeout_s of the CLI runs: how long a survivor waits on a lost rank
@@ -212,19 +213,6 @@ def test_out_of_memory_during_upload_says_the_reserve_is_exhausted(failures):
 # ------------------------------------------------------------------------------------ ranks that die or hang
 
 
-def _marked(marker: str) -> set[int]:
-    """Live processes whose environment carries `marker` (a run's launcher, its agent, ranks and helpers)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker.encode() in (entry / "environ").read_bytes():
-                    pids.add(int(entry.name))
-            except OSError:  # gone meanwhile, or not ours
-                pass
-    return pids
-
-
 def run_watched(monkeypatch, tmp: Path, *overrides: str, torchrun: list[str] | None = None):
     """run_cli with a unique marker in the environment; returns (exit code, text, pids seen, pids left)."""
     token = uuid.uuid4().hex
@@ -245,13 +233,9 @@ def run_watched(monkeypatch, tmp: Path, *overrides: str, torchrun: list[str] | N
     thread = threading.Thread(target=cli)
     thread.start()
     while not done.wait(0.2):
-        seen |= _marked(marker)
+        seen |= marked(marker)
     thread.join()
-    deadline = time.monotonic() + 5  # a helper (resource tracker) notices its parent's exit asynchronously
-    while (left := _marked(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:  # never leave a stray behind, even from a failing test; only processes this run started
-        os.kill(pid, 9)
+    left = reap(marker)  # never leaves a stray behind, even from a failing test; only processes this run started
     if "error" in box:
         raise box["error"]
     rc, text, _ = box["run"]
