@@ -128,6 +128,14 @@ def publish(args, title: str, tables: list[str], notes: list[str], m: dict, data
         print(f"wrote {args.json}")
 
 
+def save_partial(args, results: dict) -> None:
+    """Write what is measured so far to --json, so a run killed at its time limit still leaves its points."""
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"partial": True, "results": {str(k): v for k, v in results.items()}}
+        args.json.write_text(json.dumps(doc, indent=1, default=str))
+
+
 def no_device(args) -> bool:
     """--device cuda on a machine without one: say so, leave a --json that says so too; True if so."""
     import torch

@@ -125,6 +125,7 @@ def main() -> int:
                     raise RuntimeError(f"k3dist ran {r['model_dir']} on other prompts than {twin} and seeded_ids")
                 mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16, r["plan"])
                 k3[w, c, b] = r
+                common.save_partial(args, k3)
                 print(
                     f"  k3dist world {w} compile {c} ({r['decode_compile']}) batch {b}: "
                     f"{r['decode_tokens_per_second']:.2f} tok/s, warm-up {r['warmup_seconds']:.1f} s, "

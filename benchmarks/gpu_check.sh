@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one check a session runs when it is lent a GPU (H200, python3 3.12 with torch and triton, no Hydra, no network):
 #   bash benchmarks/gpu_check.sh          (carry .whl: benchmarks/fetch_gpu_wheels.sh fills it here, once)
-# Steps, each under its own `timeout`, all within GPU_CHECK_BUDGET seconds (default 450), going on after failures:
+# Steps, each under its own `timeout`, all within GPU_CHECK_BUDGET seconds (default 460), going on after failures:
 # nvidia-smi; the twin checkpoint; pytest -m gpu; decode on CUDA (graphs and eager, batch 1 8 64); the KDA/MLA
 # kernel benchmark; load on CUDA. Output in $OUT (default /tmp/gpu_check), six files: gpu_check.log (everything
 # printed), summary.json (per step: exit code, seconds, limit), pytest.xml, decode.json, kda_kernel.json, load.json.
@@ -17,7 +17,7 @@ if [ -z "${GPU_CHECK_INNER:-}" ]; then  # everything below goes to the log too; 
 fi
 cd "$ROOT"
 START=$SECONDS
-BUDGET="${GPU_CHECK_BUDGET:-450}"
+BUDGET="${GPU_CHECK_BUDGET:-460}"
 export PYTHONUNBUFFERED=1 K3DIST_CACHE="${K3DIST_CACHE:-/tmp/k3cache}" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 WORK="$(mktemp -d /tmp/gpu_check_work.XXXX)"  # step records and Markdown copies: not among $OUT's files
 STEPS="$WORK/steps.tsv"
@@ -82,12 +82,12 @@ fi
 python3 -c "import hydra, omegaconf" || echo "gpu_check: no hydra/omegaconf: carry .whl (benchmarks/fetch_gpu_wheels.sh)"
 
 step nvidia-smi 20 nvidia-smi
-step twin 90 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.twin_dir())"
+step twin 60 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.twin_dir())"
 step pytest-gpu 120 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --junitxml="$OUT/pytest.xml"
-step decode 150 python3 benchmarks/decode.py --device cuda --batches 1 8 64 --compile auto off --timeout 60 \
+step decode 180 python3 benchmarks/decode.py --device cuda --batches 1 8 64 --compile auto off --timeout 60 \
     --json "$OUT/decode.json" --out-md "$WORK/decode-cuda.md"
 step kda_kernel 90 python3 benchmarks/kda_kernel.py --json "$OUT/kda_kernel.json"
-step load 75 python3 benchmarks/load.py --device cuda --worlds 1 --repeats 3 --timeout 40 \
+step load 60 python3 benchmarks/load.py --device cuda --worlds 1 --repeats 3 --timeout 40 \
     --json "$OUT/load.json" --out-md "$WORK/load-cuda.md"
 
 if awk -F'\t' '$2 != 0 {bad = 1} END {exit bad}' "$STEPS"; then

@@ -85,6 +85,7 @@ def main() -> int:
             overrides = ["run.mode=load", f"dist.nproc={w}", f"dist.device={args.device}", "model.dtype=bfloat16"]
             try:
                 k3[w].append(common.k3dist(overrides + warm, tmp / f"w{w}-{rep}.json", args.timeout))
+                common.save_partial(args, k3)
                 print(f"  rep {rep} world {w}: load {k3[w][-1]['load_seconds']:.3f} s", flush=True)
             except Exception as exc:  # noqa: BLE001  (reported in the table)
                 errors[f"k3dist world {w}"] = common.short_error(exc)

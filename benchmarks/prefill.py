@@ -82,6 +82,7 @@ def main() -> int:
             print(f"  k3dist batch {b} x {n} chunk {c}: {k3[b, n, c]['error']}", flush=True)
             continue
         k3[b, n, c] = {"seconds": [r["prefill_seconds"] for r in runs], "memory": runs[-1]["memory"]}
+        common.save_partial(args, k3)
         print(f"  k3dist batch {b} x {n} chunk {c}: TTFT {spread(k3[b, n, c]['seconds'])} s", flush=True)
 
     skip = common.peer_missing()
