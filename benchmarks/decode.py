@@ -1,151 +1,37 @@
-"""Decode benchmark: k3dist vs transformers `generate` on the 0.40B twin (bf16, greedy), world 1 and 2, batch 1 and 8.
+"""Decode benchmark: k3dist vs transformers `generate` on the 0.40B twin (bf16, greedy), with the memory roofline.
 
-    python benchmarks/decode.py
-    python benchmarks/decode.py --worlds 1 --batches 1 --max-new-tokens 8     # a quick look
+    python benchmarks/decode.py                                   # CPU: worlds 1 2, batches 1 8, compile auto on
+    python benchmarks/decode.py --worlds 1 --batches 1 --compile auto --max-new-tokens 8     # a quick look
+    python benchmarks/decode.py --device cuda --json decode.json  # CUDA: world 1, batches 1 8 64, compile auto off
 
-k3dist: `python launch.py dist.nproc=N generate.batch=B generate.prompt_len=16 generate.max_new_tokens=32` per point;
-prefill_seconds, decode_tokens_per_second and step_ms come from result.json (its ranks split the cores: each runs
-`cpu_count // nproc` threads). transformers: one fresh process (torch's default threads, all cores) loads the same
-checkpoint once and, per batch, on the same prompt ids k3dist used: one forward over the prompt (the prefill time),
-then `model.generate(input_ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)`. A logits processor stamps
-the time of every step inside generate, so its decode tokens/s is measured like k3dist's: B x steps / time of the
-decode forwards (the first token comes from the prefill). The table goes to stdout and benchmarks/results/decode.md.
+k3dist: one `python launch.py` per (world, compile, batch) on the seeded random prompt of --prompt-len tokens; tok/s,
+step p50/p90 and warm-up seconds come from its result.json (ranks split the cores: `cores // world` threads each).
+transformers (benchmarks/peer.py, a fresh process, torch's default threads) decodes the same ids with `generate`,
+timing each step through a logits processor; on CUDA it runs only where its version has the model.
+
+Roofline (batch 1): active bytes = what one decode step must read on a rank (roofline.decode_read_bytes: weights
+once, the cache up to the mean decode position), checked against the plan's local_bytes. The kernel roofline is
+measured here: torch's bf16 GEMV over a matrix the shape of the rank's LM-head slice, with the rank's threads
+(median of 7, warm-up excluded); roofline tok/s = that GB/s / active bytes. Achieved GB/s = active bytes x tok/s
+(gpt-fast's figure). The DRAM roofline uses a large copy_ (read + write bytes) instead.
 """
 
 import argparse
-import json
 import os
-import platform
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (benchmarks/ is the script dir; common puts the repo root on sys.path)
+import roofline  # noqa: E402
 
-from common import git_rev, md_table, publish  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
-
-CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
-RESULTS = ROOT / "benchmarks" / "results"
-
-
-# ---------------------------------------------------------------- the transformers side (a fresh process)
-
-
-def peer_worker(model_dir: str, spec_path: str, json_out: str) -> None:
-    import torch
-    import transformers
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class StepClock(LogitsProcessor):
-        """Called once per generated token, right after that step's forward: a timestamp per step."""
-
-        def __init__(self):
-            self.stamps: list[float] = []
-
-        def __call__(self, input_ids, scores):
-            self.stamps.append(time.perf_counter())
-            return scores
-
-    spec = json.loads(Path(spec_path).read_text())
-    model = transformers.KimiLinearForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model.eval()
-    out = {"threads": torch.get_num_threads(), "transformers": transformers.__version__, "runs": {}}
-    for key, prompt in spec["prompts"].items():
-        ids = torch.tensor(prompt)
-        mask = torch.ones_like(ids)
-        with torch.inference_mode():
-            start = time.perf_counter()
-            model(input_ids=ids, attention_mask=mask, use_cache=True)
-            prefill = time.perf_counter() - start
-            clock = StepClock()
-            start = time.perf_counter()
-            gen = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=spec["max_new_tokens"],
-                min_new_tokens=spec["max_new_tokens"],
-                do_sample=False,
-                logits_processor=LogitsProcessorList([clock]),
-            )
-            total = time.perf_counter() - start
-        steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
-        out["runs"][key] = {
-            "prefill_seconds": prefill,
-            "generate_seconds": total,
-            "generate_prefill_seconds": clock.stamps[0] - start,
-            "step_seconds": steps,
-            "decode_tokens_per_second": len(prompt) * len(steps) / sum(steps) if steps else 0.0,
-            "tokens": gen[:, ids.shape[1] :].tolist(),
-        }
-        print(f"  transformers batch {len(prompt)}: done in {total:.1f} s", file=sys.stderr, flush=True)
-    Path(json_out).write_text(json.dumps(out))
-
-
-# ---------------------------------------------------------------- the driver
-
-
-def run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run `cmd` in its own session; on timeout kill its whole process group (spawned ranks included)."""
-    with subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def run_cmd(cmd: list[str], timeout: float) -> float:
-    start = time.perf_counter()
-    proc = run_group(cmd, timeout)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    return time.perf_counter() - start
-
-
-def k3dist_generate(world: int, batch: int, args, out: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "launch.py",
-        f"dist.nproc={world}",
-        f"generate.batch={batch}",
-        f"generate.prompt_len={args.prompt_len}",
-        f"generate.max_new_tokens={args.max_new_tokens}",
-        "generate.temperature=0",
-        f"out={out}",
-    ]
-    wall = run_cmd(cmd, args.timeout)
-    return json.loads(out.read_text()) | {"wall": wall}
-
-
-def short_error(exc: Exception) -> str:
-    if isinstance(exc, subprocess.TimeoutExpired):
-        return f"timeout (> {exc.timeout:.0f} s)"
-    return "failed: " + str(exc).strip().splitlines()[-1][:80].replace("|", "/")
-
-
-def seeded_prompts(batch: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-    """The ids k3dist draws when generate.prompt is null (k3dist.job.prompts): the same draw, checked against it."""
-    import torch
-
-    vocab = json.loads(CONFIG.read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
-
-
-def percentile(values: list[float], q: float) -> float:
-    ms = sorted(v * 1e3 for v in values)
-    return ms[min(int(q * len(ms)), len(ms) - 1)] if ms else 0.0
+CAP = 4096  # cache.cap's default: the latent rows each MLA layer holds per sequence
+DEFAULTS = {
+    "cpu": {"worlds": [1, 2], "batches": [1, 8], "compile": ["auto", "on"]},
+    "cuda": {"worlds": [1], "batches": [1, 8, 64], "compile": ["auto", "off"]},
+}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> str:
@@ -158,178 +44,224 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{same}/{total}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--timeout", type=float, default=240, help="seconds allowed to each k3dist run (peer: per batch)")
-    ap.add_argument("--out-md", type=Path, default=RESULTS / "decode.md")
-    ap.add_argument("--worker", choices=["peer"], help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--spec", help=argparse.SUPPRESS)
-    ap.add_argument("--json-out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker == "peer":
-        peer_worker(args.model_dir, args.spec, args.json_out)
-        return
+def bandwidths(cfg, worlds: list[int], device: str, cores: int) -> dict[int, dict]:
+    """Per world size: the GEMV GB/s over the rank's LM-head slice and the copy GB/s, with the rank's threads."""
+    import torch
 
-    from k3dist.weights.twin import ensure_twin
-
-    twin = ensure_twin(CONFIG)
-    tmp = Path(tempfile.mkdtemp(prefix="k3bench-decode-"))
-    load_before = os.getloadavg()
-    started = time.perf_counter()
-
-    k3: dict[tuple[int, int], dict] = {}  # a point that failed or timed out holds {"error": ...}
-    for w in args.worlds:
-        for b in args.batches:
-            load_avg = os.getloadavg()[0]
-            try:
-                r = k3dist_generate(w, b, args, tmp / f"k3-w{w}-b{b}.json")
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                k3[w, b] = {"error": short_error(exc), "load_avg": load_avg}
-                print(f"  k3dist world {w} batch {b}: FAILED {k3[w, b]['error']}", flush=True)
-                continue
-            if r["model_dir"] != str(twin):
-                raise RuntimeError(f"k3dist ran {r['model_dir']}, expected {twin}")
-            k3[w, b] = r | {"load_avg": load_avg}
-            print(
-                f"  k3dist world {w} batch {b}: prefill {r['prefill_seconds']:.2f} s, "
-                f"decode {r['decode_tokens_per_second']:.2f} tok/s, wall {r['wall']:.1f} s",
-                flush=True,
-            )
-    prompts = {}
-    for b in args.batches:
-        expected = seeded_prompts(b, args.prompt_len)
-        for w in args.worlds:
-            if "prompt" in k3[w, b] and k3[w, b]["prompt"] != expected:
-                raise RuntimeError(f"k3dist world {w} batch {b} used other prompt ids than its seeded draw")
-        prompts[str(b)] = expected
-
-    spec = tmp / "peer-spec.json"
-    spec.write_text(json.dumps({"prompts": prompts, "max_new_tokens": args.max_new_tokens}))
-    peer_out = tmp / "peer.json"
-    peer_load_avg = os.getloadavg()[0]
-    try:
-        peer_wall = run_cmd(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                "peer",
-                "--model-dir",
-                str(twin),
-                "--spec",
-                str(spec),
-                "--json-out",
-                str(peer_out),
-            ],
-            args.timeout * (1 + len(args.batches)),
+    out = {}
+    for w in worlds:
+        threads = max(1, cores // w)
+        torch.set_num_threads(threads)
+        rows = roofline.local_size(cfg.vocab_size, w, 0)
+        out[w] = {
+            "threads": threads,
+            "gemv_shape": [rows, cfg.hidden_size],
+            "gemv_GBps": roofline.gemv_bandwidth(rows, cfg.hidden_size, device),
+            "copy_GBps": roofline.copy_bandwidth(device=device),
+        }
+        print(
+            f"  bandwidth, world {w} ({threads} threads): GEMV {out[w]['gemv_GBps']:.1f} GB/s, "
+            f"copy {out[w]['copy_GBps']:.1f} GB/s",
+            flush=True,
         )
-        peer = json.loads(peer_out.read_text())
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        peer_wall, peer = float("nan"), {"threads": "?", "transformers": "?", "runs": {}, "error": short_error(exc)}
-        print(f"  transformers: FAILED {peer['error']}", flush=True)
-    for b in args.batches:
-        if str(b) in peer["runs"]:
-            p = peer["runs"][str(b)]
-            print(
-                f"  transformers batch {b}: prefill {p['prefill_seconds']:.2f} s, "
-                f"decode {p['decode_tokens_per_second']:.2f} tok/s",
-                flush=True,
-            )
+    return out
 
-    cpus = len(os.sched_getaffinity(0))
-    header = [
-        "system",
-        "world",
-        "threads/rank",
-        "batch",
-        "prefill s",
-        "decode tok/s",
-        "step p50 ms",
-        "step p90 ms",
-        "prefill / peer",
-        "tok/s / peer",
-        "greedy = peer",
-        "load avg",
-    ]
-    rows = []
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--worlds", type=int, nargs="+", help="rank counts (cpu: 1 2; cuda: 1)")
+    ap.add_argument("--batches", type=int, nargs="+", help="sequences decoded together (cpu: 1 8; cuda: 1 8 64)")
+    ap.add_argument("--compile", nargs="+", choices=["auto", "on", "off"], help="decode.compile values (cpu: auto on)")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    common.add_output_args(ap)
+    args = ap.parse_args()
+    args.out_md = args.out_md or common.RESULTS / ("decode.md" if args.device == "cpu" else "decode-cuda.md")
+    for key, value in DEFAULTS[args.device].items():
+        setattr(args, key, getattr(args, key) or value)
+    if common.no_device(args):
+        return 2
+
+    import torch
+
+    from k3dist.config import load_config
+    from k3dist.engine import Timings
+    from k3dist.prompts import seeded_ids
+
+    started = time.perf_counter()
+    cores = len(os.sched_getaffinity(0))
+    m = common.machine(
+        f"k3dist cores // world per rank, transformers torch default ({torch.get_num_threads()})", args.device
+    )
+    twin, cfg = common.twin_dir(), load_config(common.CONFIG)
+    tmp = Path(tempfile.mkdtemp(prefix="k3bench-decode-"))
+    bw = bandwidths(cfg, args.worlds, args.device, cores)
+    position = args.prompt_len + max(args.max_new_tokens - 2, 0) / 2  # mean position a decode step reads up to
+    mismatches = []
+
+    k3: dict[tuple, dict] = {}
+    for w in args.worlds:
+        mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16)
+        for c in args.compile:
+            for b in args.batches:
+                overrides = [
+                    f"dist.nproc={w}",
+                    f"dist.device={args.device}",
+                    f"decode.compile={c}",
+                    "model.dtype=bfloat16",
+                    "generate.prompt=null",
+                    f"generate.prompt_len={args.prompt_len}",
+                    f"generate.batch={b}",
+                    f"generate.max_new_tokens={args.max_new_tokens}",
+                ]
+                try:
+                    r = common.k3dist(overrides, tmp / f"w{w}-{c}-b{b}.json", args.timeout)
+                except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
+                    k3[w, c, b] = {"error": common.short_error(exc)}
+                    print(f"  k3dist world {w} compile {c} batch {b}: {k3[w, c, b]['error']}", flush=True)
+                    continue
+                if r["model_dir"] != str(twin) or r.pop("prompt") != seeded_ids(b, args.prompt_len, cfg.vocab_size, 0):
+                    raise RuntimeError(f"k3dist ran {r['model_dir']} on other prompts than {twin} and seeded_ids")
+                mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16, r["plan"])
+                k3[w, c, b] = r
+                common.save_partial(args, k3)
+                print(
+                    f"  k3dist world {w} compile {c} ({r['decode_compile']}) batch {b}: "
+                    f"{r['decode_tokens_per_second']:.2f} tok/s, warm-up {r['warmup_seconds']:.1f} s, "
+                    f"wall {r['wall']:.1f} s",
+                    flush=True,
+                )
+
+    prompts = {str(b): seeded_ids(b, args.prompt_len, cfg.vocab_size, 0) for b in args.batches}
+    skip = common.peer_missing()
+    peer: dict = {"runs": {}, "skipped": skip}
+    if skip is None:
+        spec = {
+            "model_dir": str(twin),
+            "device": args.device,
+            "prompts": prompts,
+            "max_new_tokens": args.max_new_tokens,
+        }
+        try:
+            peer = common.peer("decode", spec, tmp, args.timeout * len(args.batches))
+        except Exception as exc:  # noqa: BLE001
+            peer = {"runs": {}, "error": common.short_error(exc)}
+    else:
+        print(f"  transformers peer skipped: {skip}", flush=True)
+
+    head = ["system", "world", "threads/rank", "compile", "batch", "tok/s", "step p50 ms", "step p90 ms", "warm-up s"]
+    head += ["tok/s / peer", "greedy = peer"]
+    rows, roof_rows, data_rows = [], [], []
+    roof_head = ["system", "world", "compile", "active MB/step", "achieved GB/s", "GEMV GB/s", "kernel roofline tok/s"]
+    roof_head += ["% of kernel roofline", "copy GB/s", "DRAM roofline tok/s", "% of DRAM roofline"]
+
+    def roof(system: str, w: int, c: str, tok_s: float) -> None:
+        active = roofline.decode_read_bytes(cfg, w, 2, position)
+        g, cp = bw[w]["gemv_GBps"] * 1e9, bw[w]["copy_GBps"] * 1e9
+        row = {"system": system, "world": w, "compile": c, "active_bytes": active, "tok_s": tok_s}
+        row["achieved_GBps"] = active["total"] * tok_s / 1e9
+        row["kernel_roofline_tok_s"], row["dram_roofline_tok_s"] = g / active["total"], cp / active["total"]
+        data_rows.append(row)
+        roof_rows.append(
+            [
+                system,
+                str(w),
+                c,
+                f"{active['total'] / 1e6:.1f}",
+                f"{row['achieved_GBps']:.2f}",
+                f"{g / 1e9:.1f}",
+                f"{row['kernel_roofline_tok_s']:.1f}",
+                f"{100 * tok_s / row['kernel_roofline_tok_s']:.0f}%",
+                f"{cp / 1e9:.1f}",
+                f"{row['dram_roofline_tok_s']:.1f}",
+                f"{100 * tok_s / row['dram_roofline_tok_s']:.0f}%",
+            ]
+        )
+
     for b in args.batches:
         p = peer["runs"].get(str(b))
         for w in args.worlds:
-            r = k3[w, b]
-            if "error" in r:
+            for c in args.compile:
+                r = k3[w, c, b]
+                threads = str(max(1, cores // w)) if args.device == "cpu" else "-"
+                if "error" in r:
+                    rows.append(["k3dist", str(w), threads, c, str(b), r["error"], *[""] * 5])
+                    continue
+                tok_s = r["decode_tokens_per_second"]
                 rows.append(
-                    ["k3dist", str(w), str(max(1, cpus // w)), str(b), r["error"], *[""] * 6, f"{r['load_avg']:.1f}"]
+                    [
+                        "k3dist",
+                        str(w),
+                        threads,
+                        f"{c} ({r['decode_compile']})",
+                        str(b),
+                        f"{tok_s:.2f}",
+                        f"{r['step_ms']['p50']:.1f}",
+                        f"{r['step_ms']['p90']:.1f}",
+                        f"{r['warmup_seconds']:.1f}",
+                        f"{tok_s / p['decode_tokens_per_second']:.2f}" if p else "n/a",
+                        agreement(r["tokens"], p["tokens"]) if p else "n/a",
+                    ]
                 )
-                continue
+                if b == 1 and tok_s:
+                    roof("k3dist", w, c, tok_s)
+        if p:
+            ms = Timings(window_step_seconds=p["step_seconds"]).step_ms()
             rows.append(
                 [
-                    "k3dist",
-                    str(w),
-                    str(max(1, cpus // w)),
+                    "transformers",
+                    "1",
+                    str(peer["threads"]),
+                    "-",
                     str(b),
-                    f"{r['prefill_seconds']:.2f}",
-                    f"{r['decode_tokens_per_second']:.2f}",
-                    f"{r['step_ms']['p50']:.0f}",
-                    f"{r['step_ms']['p90']:.0f}",
-                    f"{r['prefill_seconds'] / p['prefill_seconds']:.2f}" if p else "n/a",
-                    f"{r['decode_tokens_per_second'] / p['decode_tokens_per_second']:.2f}" if p else "n/a",
-                    agreement(r["tokens"], p["tokens"]) if p else "n/a",
-                    f"{r['load_avg']:.1f}",
+                    f"{p['decode_tokens_per_second']:.2f}",
+                    f"{ms['p50']:.1f}",
+                    f"{ms['p90']:.1f}",
+                    "",
+                    "1.00",
+                    "",
                 ]
             )
-        if p is None:
-            rows.append(["transformers", "1", str(peer["threads"]), str(b), peer.get("error", "missing"), *[""] * 7])
-            continue
-        rows.append(
-            [
-                "transformers",
-                "1",
-                str(peer["threads"]),
-                str(b),
-                f"{p['prefill_seconds']:.2f}",
-                f"{p['decode_tokens_per_second']:.2f}",
-                f"{percentile(p['step_seconds'], 0.5):.0f}",
-                f"{percentile(p['step_seconds'], 0.9):.0f}",
-                "1.00",
-                "1.00",
-                "",
-                f"{peer_load_avg:.1f}",
-            ]
-        )
-    inner = ", ".join(f"b{b} {r['generate_prefill_seconds']:.2f} s" for b, r in peer["runs"].items()) or "n/a"
-    walls = ", ".join(f"w{w} b{b} {r['wall']:.1f}" for (w, b), r in k3.items() if "wall" in r)
+            if b == 1:
+                roof("transformers", 1, "-", p["decode_tokens_per_second"])
+        else:
+            rows.append(["transformers", "1", "", "-", str(b), peer.get("error") or "skipped", *[""] * 5])
+
+    w1 = roofline.decode_read_bytes(cfg, 1, 2, position)
+    unused = roofline.decode_read_bytes(cfg, 1, 2, CAP - 1)["cache"] - w1["cache"]
     notes = [
-        f"twin `{twin.name}`, bf16, prompt_len {args.prompt_len} (the seeded random ids k3dist draws, the same ids "
-        f"fed to transformers), max_new_tokens {args.max_new_tokens}, greedy; one run per point.",
-        f"threads: k3dist ranks split the {cpus} cores (`cpu_count // nproc` each); transformers uses torch's default "
-        f"({peer['threads']}) in one process.",
-        "`prefill s`: k3dist `prefill_seconds` (the first forward of the job, one-time warm-up included) / "
-        "transformers: one forward over the prompt right after from_pretrained, also its first "
-        f"(the prefill inside generate then took {inner}).",
-        "`decode tok/s` = batch x decode steps / seconds of those steps (k3dist: result.json; transformers: time "
-        "between successive logits-processor calls inside generate). Ratios are k3dist / transformers: "
-        "prefill below 1 and tok/s above 1 favour k3dist.",
-        "`greedy = peer`: tokens equal before the first divergence from transformers, summed over sequences "
-        "(bf16 on both sides, so late divergence on near-ties is expected).",
-        "`load avg`: the machine's 1-minute load average when the point started; above the core count, threads "
-        "of this benchmark wait for other work and times grow (a 2-thread process suffers most).",
-        f"wall of each k3dist command, s: {walls}; transformers process (load + all batches): {peer_wall:.1f}.",
-        f"machine: {cpus} CPUs, {platform.machine()}, python {platform.python_version()}, transformers "
-        f"{peer['transformers']}, commit {git_rev()}; load average {load_before[0]:.2f} before, "
-        f"{os.getloadavg()[0]:.2f} after (the machine is shared: expect noise).",
+        f"twin `{twin.name}`, bf16, greedy; prompt: {args.prompt_len} seeded random ids (k3dist.prompts.seeded_ids, "
+        f"the same ids for both), {args.max_new_tokens} new tokens, one run per point.",
+        "`tok/s` = batch x decode steps / their seconds (the first token comes from the prefill and is not counted); "
+        "`step p50/p90`: k3dist per sync window (result.json step_ms), transformers per step; `warm-up s`: k3dist's "
+        "one-time compile or graph capture before the first prompt (not in tok/s).",
+        f"active bytes per step (world 1: {w1['weights'] / 1e6:.1f} MB of weights + {w1['cache'] / 1e6:.2f} MB of "
+        f"cache at mean position {position:.0f}): roofline.decode_read_bytes; its count of every resident weight "
+        + ("equals every plan's local_bytes." if not mismatches else "DIFFERS from the plan: " + "; ".join(mismatches)),
+        "kernel roofline: torch's bf16 GEMV over the rank's LM-head slice "
+        + ", ".join(f"world {w} {v['gemv_shape']} with {v['threads']} threads" for w, v in bw.items())
+        + "; DRAM roofline: a 256 MiB copy_ (read + write). At world > 1 the ranks share the memory bus, so "
+        "per-rank rooflines measured alone are optimistic.",
+        f"the torch MLA decode reference scores all cache.cap ({CAP}) latent rows and masks the rest: at world 1 "
+        f"at least {unused / 1e6:.1f} MB more per step than the roofline counts (rows up to the position only).",
+        "`tok/s / peer` above 1 favours k3dist; `greedy = peer`: tokens equal before the first divergence, summed "
+        "over sequences (bf16 on both sides: near-ties diverge).",
     ]
-    text = (
-        f"## Decode: k3dist vs transformers generate ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-        f"{md_table(header, rows)}\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    )
-    publish(text, args.out_md, started)
-    shutil.rmtree(tmp, ignore_errors=True)  # kept when the run fails, for its result.json files
+    if skip:
+        notes.append(f"transformers peer skipped: {skip}.")
+    tables = [common.md_table(head, rows), "Roofline, batch 1\n\n" + common.md_table(roof_head, roof_rows)]
+    data = {
+        "args": vars(args),
+        "bandwidth": bw,
+        "roofline": data_rows,
+        "plan_mismatches": mismatches,
+        "k3dist": [{"world": w, "compile": c, "batch": b} | r for (w, c, b), r in k3.items()],
+        "peer": peer,
+    }
+    common.publish(args, "Decode: k3dist vs transformers generate", tables, notes, m, data, started)
+    return 1 if any("error" in r for r in k3.values()) or "error" in peer else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import md_table  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
+from common import header, machine, md_table  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
 
 DEVICE = "cuda"
 L2_BYTES = 50 * 2**20  # H200
@@ -279,6 +279,9 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kda_kernel.py needs a CUDA GPU: nothing to time on this machine")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"skipped": "no CUDA device"}))
         return 0
     import triton
 
@@ -296,6 +299,8 @@ def main() -> int:
         "fla": fla_version or "not installed",
         "python": platform.python_version(),
     }
+    m = machine("-", "cuda")
+    print(header(m))
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     torch.backends.cuda.matmul.allow_tf32 = False
     kda = run_kda(args.tp, args.batches)
@@ -305,7 +310,7 @@ def main() -> int:
     print(f"\n(benchmark took {elapsed:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**env, "seconds": elapsed, "kda": kda, "mla": mla}, indent=1))
+        args.json.write_text(json.dumps({**env, "machine": m, "seconds": elapsed, "kda": kda, "mla": mla}, indent=1))
         print(f"wrote {args.json}")
     return 0
 
