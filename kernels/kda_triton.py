@@ -182,26 +182,11 @@ def _num_warps(tile: int) -> int:
     return 8 if tile >= 4096 else 4 if tile >= 1024 else 2
 
 
-def kda_decode_fused(
-    qkv: Tensor,
-    conv_state: Tensor,
-    conv_w: Tensor,
-    g_raw: Tensor,
-    beta_raw: Tensor,
-    gate: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    o_norm: Tensor,
-    eps: float,
-    state: Tensor,
-) -> Tensor:
-    """One token per sequence through KDA's recurrent core; shapes and semantics of `kda_fused.kda_decode_fused`.
-
-    qkv: [B, 3, P] pre-conv q, k, v; conv_state: [B, 3, P, K-1] updated in place; conv_w: [3, P, K]; g_raw: [B, P];
-    beta_raw: [B, H]; gate: [B, P]; A_log: [H]; dt_bias: [P]; o_norm: [d]; state: [B, H, d, d] fp32, updated in
-    place. Any strides for the per-token tensors and the two states. Returns [B, P] in qkv's dtype.
-    """
-    return _kda_decode_fused(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state)
+def kda_decode_fused(*args, **kwargs) -> Tensor:
+    """One token per sequence through KDA's recurrent core: the arguments, shapes and semantics of
+    `kda_fused.kda_decode_fused` (qkv [B, 3, P], conv_state [B, 3, P, K-1] and state [B, H, d, d] fp32 updated in
+    place, ...). Any strides for the per-token tensors and the two states. Returns [B, P] in qkv's dtype."""
+    return _kda_decode_fused(*args, **kwargs)
 
 
 def _kda_decode_fused(
