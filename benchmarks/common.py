@@ -246,6 +246,18 @@ def peer(mode: str, spec: dict, tmp: Path, timeout: float) -> dict:
     return json.loads(out.read_text()) | {"wall": time.perf_counter() - start}
 
 
+def peer_or_skip(mode: str, make_spec, tmp: Path, timeout: float) -> dict:
+    """The peer's results for `mode` ({"runs": {...}}), or why there are none ("skipped" / "error")."""
+    skip = peer_missing()
+    if skip is not None:
+        print(f"  transformers peer skipped: {skip}", flush=True)
+        return {"runs": {}, "skipped": skip}
+    try:
+        return peer(mode, make_spec(), tmp, timeout)
+    except Exception as exc:  # noqa: BLE001 - the k3dist side still reports
+        return {"runs": {}, "error": short_error(exc)}
+
+
 def bare_torch_rss() -> int:
     """Peak RSS of a bare interpreter that imported torch: what every process pays before any model byte."""
     code = "import resource, torch; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"

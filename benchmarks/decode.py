@@ -134,21 +134,8 @@ def main() -> int:
                 )
 
     prompts = {str(b): seeded_ids(b, args.prompt_len, cfg.vocab_size, 0) for b in args.batches}
-    skip = common.peer_missing()
-    peer: dict = {"runs": {}, "skipped": skip}
-    if skip is None:
-        spec = {
-            "model_dir": str(twin),
-            "device": args.device,
-            "prompts": prompts,
-            "max_new_tokens": args.max_new_tokens,
-        }
-        try:
-            peer = common.peer("decode", spec, tmp, args.timeout * len(args.batches))
-        except Exception as exc:  # noqa: BLE001
-            peer = {"runs": {}, "error": common.short_error(exc)}
-    else:
-        print(f"  transformers peer skipped: {skip}", flush=True)
+    spec = {"model_dir": str(twin), "device": args.device, "prompts": prompts, "max_new_tokens": args.max_new_tokens}
+    peer = common.peer_or_skip("decode", lambda: spec, tmp, args.timeout * len(args.batches))
 
     head = ["system", "world", "threads/rank", "compile", "batch", "tok/s", "step p50 ms", "step p90 ms", "warm-up s"]
     head += ["tok/s / peer", "greedy = peer"]
@@ -248,7 +235,7 @@ def main() -> int:
         "`tok/s / peer` above 1 favours k3dist; `greedy = peer`: tokens equal before the first divergence, summed "
         "over sequences (bf16 on both sides: near-ties diverge).",
     ]
-    if skip:
+    if skip := peer.get("skipped"):
         notes.append(f"transformers peer skipped: {skip}.")
     tables = [common.md_table(head, rows), "Roofline, batch 1\n\n" + common.md_table(roof_head, roof_rows)]
     data = {

@@ -180,12 +180,18 @@ def run_kda(tps: list[int], batches: list[int]) -> list[dict]:
                     row["fla_error"] = f"{type(err).__name__}: {err}"[:300]
                     print(f"  fla failed at tp {tp} batch {B}: {row['fla_error']}")
                 del fsets
-            row["ours_GBps"] = moved / row["ours_us"] / 1e3
-            print(f"kda tp {tp} batch {B}: ours {row['ours_us']:.1f} µs, fla {row.get('fla_us', float('nan')):.1f} µs")
-            rows.append(row)
+            other = f"fla {row.get('fla_us', float('nan')):.1f} µs"
+            rows.append(_done(row, moved, f"kda tp {tp} batch {B}", other))
             del sets
-            torch.cuda.empty_cache()
     return rows
+
+
+def _done(row: dict, moved: int, what: str, other: str) -> dict:
+    """Our bandwidth from the bytes one call moves, a progress line, and the point's memory handed back."""
+    row["ours_GBps"] = moved / row["ours_us"] / 1e3
+    print(f"{what}: ours {row['ours_us']:.1f} µs, {other}")
+    torch.cuda.empty_cache()
+    return row
 
 
 # ---------------------------------------------------------------- MLA
@@ -217,11 +223,8 @@ def run_mla(tps: list[int], batches: list[int], lengths: list[int]) -> list[dict
                 row = {"tp": tp, "heads": H, "batch": B, "L": L, "cache_MiB": read / 2**20, "ours_rel_err": err}
                 row["ours_us"], row["ours_mode"] = bench([lambda a=a: triton_mla(*a, scale) for a in sets])
                 row["torch_us"], row["torch_mode"] = bench([lambda a=a: torch_mla(*a, scale) for a in sets])
-                row["ours_GBps"] = read / row["ours_us"] / 1e3
-                print(f"mla tp {tp} L {L} batch {B}: ours {row['ours_us']:.1f} µs, torch {row['torch_us']:.1f} µs")
-                rows.append(row)
+                rows.append(_done(row, read, f"mla tp {tp} L {L} batch {B}", f"torch {row['torch_us']:.1f} µs"))
                 del sets
-                torch.cuda.empty_cache()
     return rows
 
 

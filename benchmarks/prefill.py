@@ -85,17 +85,9 @@ def main() -> int:
         common.save_partial(args, k3)
         print(f"  k3dist batch {b} x {n} chunk {c}: TTFT {spread(k3[b, n, c]['seconds'])} s", flush=True)
 
-    skip = common.peer_missing()
-    peer: dict = {"runs": {}, "skipped": skip}
-    if skip is None:
-        runs = [{"key": str(n), "ids": seeded_ids(1, n, cfg.vocab_size, 0)} for n in args.lengths]
-        spec = {"model_dir": str(twin), "device": args.device, "runs": runs, "repeats": args.repeats}
-        try:
-            peer = common.peer("prefill", spec, tmp, args.timeout * len(args.lengths))
-        except Exception as exc:  # noqa: BLE001
-            peer = {"runs": {}, "error": common.short_error(exc)}
-    else:
-        print(f"  transformers peer skipped: {skip}", flush=True)
+    runs = [{"key": str(n), "ids": seeded_ids(1, n, cfg.vocab_size, 0)} for n in args.lengths]
+    spec = {"model_dir": str(twin), "device": args.device, "runs": runs, "repeats": args.repeats}
+    peer = common.peer_or_skip("prefill", lambda: spec, tmp, args.timeout * len(args.lengths))
 
     def median(point) -> float | None:
         return statistics.median(point["seconds"]) if "seconds" in point else None
@@ -156,7 +148,7 @@ def main() -> int:
         f"`prefill_chunk`: prompt tokens per sequence per forward (`full` = the whole prompt); rows at {longest} "
         "tokens show what chunking costs. `prompt tok/s` = batch x prompt tokens / TTFT.",
     ]
-    if skip:
+    if skip := peer.get("skipped"):
         notes.append(f"transformers peer skipped: {skip}.")
     data = {
         "args": vars(args),

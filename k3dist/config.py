@@ -200,33 +200,32 @@ def _token_id(value):
     return value if isinstance(value, int) else None
 
 
+# Sizes that must be positive when a layer kind is present: (kind or None for every model, config field, attribute).
+_SIZES = (
+    (None, "vocab_size", "vocab_size"),
+    (None, "hidden_size", "hidden_size"),
+    ("kda", "linear_attn_config.num_heads", "kda_heads"),
+    ("kda", "linear_attn_config.head_dim", "kda_head_dim"),
+    ("kda", "linear_attn_config.short_conv_kernel_size", "conv_kernel"),
+    ("mla", "num_attention_heads", "mla_heads"),
+    ("mla", "qk_nope_head_dim", "qk_nope_dim"),
+    ("mla", "v_head_dim", "v_head_dim"),
+    ("mla", "kv_lora_rank", "kv_lora_rank"),
+    ("dense", "intermediate_size", "intermediate_size"),
+    ("moe", "num_experts", "num_experts"),
+    ("moe", "num_experts_per_token", "top_k"),
+    ("moe", "moe_intermediate_size", "expert_size"),
+    ("moe", "num_expert_group", "num_expert_group"),
+    ("moe", "topk_group", "topk_group"),
+)
+
+
 def _check_sizes(cfg: ModelConfig) -> None:
     """Every size a present layer kind needs must be positive, and the router settings consistent."""
     src = cfg.source
-    need = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size}
-    if cfg.count(mixer="kda"):
-        need |= {
-            "linear_attn_config.num_heads": cfg.kda_heads,
-            "linear_attn_config.head_dim": cfg.kda_head_dim,
-            "linear_attn_config.short_conv_kernel_size": cfg.conv_kernel,
-        }
-    if cfg.count(mixer="mla"):
-        need |= {
-            "num_attention_heads": cfg.mla_heads,
-            "qk_nope_head_dim": cfg.qk_nope_dim,
-            "v_head_dim": cfg.v_head_dim,
-            "kv_lora_rank": cfg.kv_lora_rank,
-        }
-    if cfg.count(mlp="dense"):
-        need |= {"intermediate_size": cfg.intermediate_size}
-    if cfg.count(mlp="moe"):
-        need |= {
-            "num_experts": cfg.num_experts,
-            "num_experts_per_token": cfg.top_k,
-            "moe_intermediate_size": cfg.expert_size,
-            "num_expert_group": cfg.num_expert_group,
-            "topk_group": cfg.topk_group,
-        }
+    present = {None: True, "kda": cfg.count(mixer="kda"), "mla": cfg.count(mixer="mla")}
+    present |= {"dense": cfg.count(mlp="dense"), "moe": cfg.count(mlp="moe")}
+    need = {field: getattr(cfg, attr) for kind, field, attr in _SIZES if present[kind]}
     for name, value in need.items():
         if value <= 0:
             raise K3Error(f"{src}: field {name}={value} must be > 0")

@@ -49,7 +49,9 @@ class MemorySettings:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    cap: int
+    """The resident hybrid cache; only the MLA latent grows with `cap` (KDA state is fixed-size)."""
+
+    cap: int  # tokens per sequence
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class KernelSettings:
 
 @dataclass(frozen=True)
 class RunSettings:
+    """What the job does: generate, stop after the weights (load), or only plan every rank (plan)."""
+
     mode: str
 
 
