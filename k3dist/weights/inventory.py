@@ -29,6 +29,7 @@ class TensorEntry:
     file: str | None  # file name relative to the model dir; None when planned from the config alone
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype code
+    offset: int | None = None  # absolute byte offset of its data in the file; None when planned from the config
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,15 @@ def header_digest(path: Path, size: int) -> str:
         digest.update(head)
         digest.update(f.read(int.from_bytes(head, "little")))
     return digest.hexdigest()
+
+
+def data_offsets(path: Path) -> dict[str, int]:
+    """Absolute file offset of each tensor's data (8 + header length + its data_offsets[0]), which safetensors does
+    not expose; called on headers safetensors has already validated."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {key: 8 + n + info["data_offsets"][0] for key, info in header.items() if key != "__metadata__"}
 
 
 def _header_problem(path: Path, size: int) -> str | None:
@@ -161,9 +171,11 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         total += size
         try:
             with safe_open(path, framework="pt") as handle:
+                offsets = data_offsets(path)
                 for key in handle.keys():
                     piece = handle.get_slice(key)
-                    entry = TensorEntry(canonical_name(key), key, name, tuple(piece.get_shape()), piece.get_dtype())
+                    shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                    entry = TensorEntry(canonical_name(key), key, name, shape, dtype, offsets[key])
                     if entry.name in found:
                         raise K3Error(f"{path}: tensor {key} is duplicated (also in {found[entry.name].file})")
                     found[entry.name] = entry
