@@ -146,14 +146,15 @@ def _weight_objects() -> int:
 
 
 def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
-    """Every case is one load with one fault; the faulty rank reports its cleanup event and a tensor census."""
+    """Every case is one load with one fault; every rank reports its cleanup event and a tensor census."""
     rt = dist.init("gloo", "cpu", 30)
     cfg = load_config(model_dir)
     inv = scan(model_dir, cfg)
     plans = plan_rank(cfg, inv.entries.values(), rt.world, rt.rank, torch.float32)
+    files = list(dict.fromkeys(p.file for p in plans))
     events, out = Events(), []
     for kind, rank, index in cases:
-        census = _weight_objects if rank == rt.rank else lambda: None
+        census = _weight_objects
         before = census()
         try:
             load_weights(inv, rt, torch.float32, 0, 0, faults=Faults(rank=rank, **{kind: index}))
@@ -165,6 +166,10 @@ def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
                 "error": error,
                 "events": [e for e in events.take() if e.startswith("k3_weight_cleanup")],
                 "placed": len({p.dest for p in plans[:index]}),  # store tensors made before the fault fired
+                # ... and on a peer, every store tensor up to the end of that file, whose agreement stops it
+                "placed_by_file": len(
+                    {p.dest for p in plans if files.index(p.file) <= files.index(plans[index].file)}
+                ),
                 "tensors_before": before,
                 "tensors_after": census(),
             }
@@ -196,7 +201,9 @@ def test_allocation_failure_leaves_nothing_allocated(failures, tensors, rank, in
     assert faulty["events"] == [f"k3_weight_cleanup rank={rank} freed={faulty['placed']} live=0"]
     assert index == 0 or faulty["placed"] > 0
     assert faulty["tensors_after"] == faulty["tensors_before"]  # an independent census: back at the baseline
-    assert other["events"] == []
+    # the peer finished that file, then stopped at its agreement and freed what it had made
+    assert other["events"] == [f"k3_weight_cleanup rank={1 - rank} freed={other['placed_by_file']} live=0"]
+    assert other["tensors_after"] == other["tensors_before"]
 
 
 def test_out_of_memory_during_upload_says_the_reserve_is_exhausted(failures):
