@@ -90,13 +90,17 @@ def header_digest(path: Path, size: int) -> str:
     return digest.hexdigest()
 
 
-def data_offsets(path: Path) -> dict[str, int]:
-    """Absolute file offset of each tensor's data (8 + header length + its data_offsets[0]), which safetensors does
-    not expose; called on headers safetensors has already validated."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return {key: 8 + n + info["data_offsets"][0] for key, info in header.items() if key != "__metadata__"}
+def layout(fd: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Each tensor's dtype, shape and absolute data offset (8 + header length + its data_offsets[0]; safetensors does
+    not expose offsets), from a header safetensors has validated. Plain preads of the header's bytes only, so that
+    a loader reading with readahead off touches no other page."""
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    header = json.loads(os.pread(fd, n, 8))
+    return {
+        key: (info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+        for key, info in header.items()
+        if key != "__metadata__"
+    }
 
 
 def _header_problem(path: Path, size: int) -> str | None:
@@ -171,7 +175,11 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         total += size
         try:
             with safe_open(path, framework="pt") as handle:
-                offsets = data_offsets(path)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    offsets = {key: offset for key, (_, _, offset) in layout(fd).items()}
+                finally:
+                    os.close(fd)
                 for key in handle.keys():
                     piece = handle.get_slice(key)
                     shape, dtype = tuple(piece.get_shape()), piece.get_dtype()

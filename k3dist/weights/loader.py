@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from ..dist import Runtime, agree, node_id
 from ..errors import K3Error
 from ..faults import Faults
 from ..units import fmt_bytes
-from .inventory import Inventory, data_offsets
+from .inventory import Inventory, layout
 from .memory import MemoryPlan, detect_free, memory_plan
 from .pagecache import PageCache
 from .reads import SLOTS, schedule, staging
@@ -229,35 +228,35 @@ class _Loading:
 
     def _file(self, path: Path, members: list[int]) -> None:
         """Check the file still holds what was planned, make the weights (hooks first, in plan order), read."""
-        self._check(path, members)
-        targets = {}
-        for i in members:
-            p = self.plans[i]
-            self.where = f"at tensor {p.name} of {path}"
-            self.faults.at_tensor(self.rt.rank, i, p.name)
-            targets[i] = self.up.target(p, self.shapes)
-        self.where = None  # from here on the transfer knows which chunk failed
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: read exactly the planned pages
+            self._check(fd, path, members)
+            targets = {}
+            for i in members:
+                p = self.plans[i]
+                self.where = f"at tensor {p.name} of {path}"
+                self.faults.at_tensor(self.rt.rank, i, p.name)
+                targets[i] = self.up.target(p, self.shapes)
+            self.where = None  # from here on the transfer knows which chunk failed
             self.transfer.run(fd, self.chunks.get(path.name, []), targets, self.plans, self._at_read, self._done)
         finally:
             os.close(fd)
 
-    def _check(self, path: Path, members: list[int]) -> None:
-        """The dtype, shape and offset of every tensor, read again now, against the plan."""
-        offsets = data_offsets(path)
-        with safe_open(path, framework="pt") as handle:
-            for i in members:
-                p = self.plans[i]
-                self.where = f"at tensor {p.name} of {path}"
-                piece = handle.get_slice(p.key)
-                dtype, shape, offset = piece.get_dtype(), tuple(piece.get_shape()), offsets[p.key]
-                if (dtype, shape, offset) != (p.src_dtype, p.full_shape, p.offset):
-                    raise K3Error(
-                        f"{path}: tensor {p.key} is {dtype} {list(shape)} at byte {offset}, planned {p.src_dtype} "
-                        f"{list(p.full_shape)} at byte {p.offset}: the file changed after the inventory"
-                    )
+    def _check(self, fd: int, path: Path, members: list[int]) -> None:
+        """The dtype, shape and offset of every tensor, read again from the header now, against the plan."""
+        self.where = f"reading the header of {path}"
+        now = layout(fd)
+        for i in members:
+            p = self.plans[i]
+            planned = (p.src_dtype, p.full_shape, p.offset)
+            found = now.get(p.key)
+            if found != planned:
+                what = "no such tensor" if found is None else f"{found[0]} {list(found[1])} at byte {found[2]}"
+                raise K3Error(
+                    f"{path}: tensor {p.key} is {what} now, planned {p.src_dtype} {list(p.full_shape)} at byte "
+                    f"{p.offset}: the file changed after the inventory"
+                )
 
     def _at_read(self, index: int) -> None:
         self.faults.at_read(self.rt.rank, index, self.plans[index].name)

@@ -63,7 +63,7 @@ def memory_plan(
     return MemoryPlan(
         rank=rank,
         source_bytes=sum(p.source_bytes for p in plans),
-        read_bytes=read_bytes(chunks),
+        read_bytes=read_bytes(plans, chunks),
         local_bytes=sum(p.local_bytes for p in plans),
         replicated_bytes=sum(p.local_bytes for p in plans if p.axis.dim is None),
         staging_peak=slots * slot_bytes,

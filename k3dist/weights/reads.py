@@ -181,9 +181,19 @@ def pages(chunks: Iterable[Chunk], page: int = PAGE) -> int:
     return total
 
 
-def read_bytes(chunks: dict[object, list[Chunk]], page: int = PAGE) -> int:
-    """Page-granular bytes a rank reads from the checkpoint, given its schedule."""
-    return sum(pages(file_chunks, page) for file_chunks in chunks.values()) * page
+def read_bytes(plans: list[ShardPlan], chunks: dict[object, list[Chunk]] | None = None, page: int = PAGE) -> int:
+    """Page-granular bytes a rank reads from the checkpoint: each file's header (read again at load to check it),
+    then the reads of its schedule."""
+    chunks = schedule(plans) if chunks is None else chunks
+    data: dict[object, int] = {}  # where each file's data starts: its first tensor's offset
+    for p in plans:
+        if p.offset is not None:
+            data[p.file] = min(data.get(p.file, p.offset), p.offset)
+    total = 0
+    for key, file_chunks in chunks.items():
+        header = [Chunk(((0, data[key], 0),))] if key in data else []
+        total += pages(header + file_chunks, page)
+    return total * page
 
 
 def staging(chunks: dict[object, list[Chunk]]) -> tuple[int, int]:

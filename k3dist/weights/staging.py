@@ -9,6 +9,10 @@ through it; everything else is read straight into the weights).
 import torch
 
 
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
 class Slot:
     def __init__(self, buffer: torch.Tensor, event):
         self.buffer = buffer  # uint8, `Ring.nbytes` long
@@ -16,22 +20,17 @@ class Slot:
 
 
 class Ring:
-    def __init__(self, device: torch.device, slots: int, nbytes: int):
-        self.device, self.nbytes = device, nbytes
+    def __init__(self, slots: int, nbytes: int, cuda: bool):
+        self.nbytes, self.cuda = nbytes, cuda
         self.slots: list[Slot | None] = [None] * max(slots, 1)
         self.next = 0
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     def take(self) -> Slot:
         """The next slot in turn, once the copies out of its last chunk have finished."""
         i, self.next = self.next, (self.next + 1) % len(self.slots)
         slot = self.slots[i]
         if slot is None:
-            buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-            slot = self.slots[i] = Slot(buffer, torch.cuda.Event() if self.cuda else None)
+            slot = self.slots[i] = Slot(host_buffer(self.nbytes, self.cuda), torch.cuda.Event() if self.cuda else None)
         elif slot.event is not None:
             slot.event.synchronize()
         return slot

@@ -47,7 +47,8 @@ def preadv_all(fd: int, buffers: list, offset: int) -> None:
 
 
 class _Job:
-    """A chunk in flight: its reader's future, its slot, the copies that finish it, its local bytes."""
+    """A chunk in flight: its reader's future, its slot, the copies that finish it (target, source, the source's
+    element type when it is slot bytes), its local bytes."""
 
     def __init__(self, chunk: Chunk, slot: Slot | None, copies: list, nbytes: int):
         self.chunk, self.slot, self.copies, self.nbytes = chunk, slot, copies, nbytes
@@ -57,12 +58,13 @@ class _Job:
 class Transfer:
     """One upload's reader threads, staging ring and (CUDA) copy stream."""
 
-    def __init__(self, device: torch.device, slots: int, slot_bytes: int, readers: int):
+    def __init__(self, device: torch.device, slots: int, slot_bytes: int, readers: int, cuda: bool | None = None):
         self.device = device
-        self.ring = Ring(device, slots, slot_bytes)
+        self.cuda = device.type == "cuda" if cuda is None else cuda  # tests force the CUDA path on CPU tensors
+        self.ring = Ring(slots, slot_bytes, self.cuda)
         self.depth = max(slots, 1)
         self.pool = ThreadPoolExecutor(max(readers, 1), thread_name_prefix="k3dist-read")
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.chunk: Chunk | None = None  # the chunk last started or finished: names the tensor when one fails
 
     def run(
@@ -100,7 +102,7 @@ class Transfer:
         """The chunk's job, its reads (file offset, buffers) and the packing its reader does (CUDA spans)."""
         if chunk.span is not None:
             return self._prepare_span(chunk, targets, plans)
-        direct = self.device.type == "cpu"
+        direct = not self.cuda
         sources = {p.index: BY_CODE[plans[p.index].src_dtype].torch for p in chunk.parts}
         staged = {i for i, src in sources.items() if not (direct and targets[i].dtype == src)}
         holes = sum(p.end - p.begin for p in chunk.parts) < sum(size for _, size, _ in chunk.reads)
@@ -120,8 +122,7 @@ class Transfer:
                     lo = at + part.offset - offset
                     raw = slot.buffer[lo : lo + part.end - part.begin]
                     buffers.append(_buffer(raw))
-                    view = raw.view(src) if lo % src.itemsize == 0 else raw.clone().view(src)  # see reads._pad
-                    copies.append((target[first:last], view))
+                    copies.append((target[first:last], raw, src))
                 else:
                     buffers.append(_buffer(target[first:last]))
                 nbytes += (last - first) * target.dtype.itemsize
@@ -144,11 +145,11 @@ class Transfer:
         )
         target = targets[span.index].view(run.count, -1)[span.row : span.row + span.rows]
         pack = None
-        if self.device.type == "cuda":
+        if self.cuda:
             at = packed_at(raw)
             packed = slot.buffer[at : at + span.rows * run.length].view(src).view(span.rows, -1)
             pack, columns = (packed, columns), packed
-        job = _Job(chunk, slot, [(target, columns)], target.numel() * target.dtype.itemsize)
+        job = _Job(chunk, slot, [(target, columns, None)], target.numel() * target.dtype.itemsize)
         return job, [(offset, [_buffer(slot.buffer[:raw])])], pack
 
     @staticmethod
@@ -165,11 +166,11 @@ class Transfer:
         job.future.result()
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                for target, source in job.copies:
-                    target.copy_(source, non_blocking=True)
+                for target, source, dtype in job.copies:
+                    target.copy_(_typed(source, dtype), non_blocking=True)
         else:
-            for target, source in job.copies:
-                target.copy_(source)
+            for target, source, dtype in job.copies:
+                target.copy_(_typed(source, dtype))
         if job.slot is not None:
             self.ring.release(job.slot, self.stream)
         done(job.nbytes)
@@ -185,6 +186,14 @@ class Transfer:
         if self.stream is not None:
             self.stream.synchronize()
         self.ring.close()
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Slot bytes as elements; bytes off their element alignment (a file that does not align tensors, reads._pad)
+    are copied out first."""
+    if dtype is None:
+        return raw
+    return raw.view(dtype) if raw.storage_offset() % dtype.itemsize == 0 else raw.clone().view(dtype)
 
 
 def _indices(chunk: Chunk) -> list[int]:
