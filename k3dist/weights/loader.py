@@ -196,7 +196,7 @@ class _Loading:
             start, error, free = time.perf_counter(), None, None
             try:
                 self.faults.before_file(self.rt.rank, k)
-                self._file(path, members)
+                self._file(path, self.chunks.get(file, []), members)
             except Exception as exc:  # this rank's failure, told to every rank in the file's agreement
                 error = self._describe(exc, path)
                 _forget(exc)
@@ -226,7 +226,7 @@ class _Loading:
             torch.cuda.synchronize(self.rt.device)
         return self.up.tensors
 
-    def _file(self, path: Path, members: list[int]) -> None:
+    def _file(self, path: Path, chunks: list, members: list[int]) -> None:
         """Check the file still holds what was planned, make the weights (hooks first, in plan order), read."""
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -239,7 +239,7 @@ class _Loading:
                 self.faults.at_tensor(self.rt.rank, i, p.name)
                 targets[i] = self.up.target(p, self.shapes)
             self.where = None  # from here on the transfer knows which chunk failed
-            self.transfer.run(fd, self.chunks.get(path.name, []), targets, self.plans, self._at_read, self._done)
+            self.transfer.run(fd, chunks, targets, self.plans, self._at_read, self._done)
         finally:
             os.close(fd)
 
@@ -318,8 +318,8 @@ def upload(
         loading.close()
         freed, live = loading.up.free_all()
         log.warning("k3_weight_cleanup rank=%d freed=%d live=%d", rt.rank, freed, live)
-        if isinstance(exc, Exception) and not isinstance(exc, K3Error):  # a bug after the last file: say so
-            raise K3Error(f"rank {rt.rank}: upload failed after the last file: {type(exc).__name__}: {exc}") from None
+        if isinstance(exc, Exception) and not isinstance(exc, K3Error):  # outside any file (a bug, the store): say so
+            raise K3Error(f"rank {rt.rank}: upload failed: {type(exc).__name__}: {exc}") from None
         raise
     loading.close()
     return tensors

@@ -13,6 +13,12 @@ def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
+def release_pinned() -> None:
+    """Give cached pinned memory back to the system: torch keeps freed pinned blocks for reuse, which would hold the
+    ring's host memory for the whole job."""
+    torch.accelerator.empty_host_cache()
+
+
 class Slot:
     def __init__(self, buffer: torch.Tensor, event):
         self.buffer = buffer  # uint8, `Ring.nbytes` long
@@ -44,4 +50,7 @@ class Ring:
         for slot in self.slots:
             if slot is not None and slot.event is not None:
                 slot.event.synchronize()
+        used = any(slot is not None for slot in self.slots)
         self.slots = [None] * len(self.slots)
+        if self.cuda and used:
+            release_pinned()

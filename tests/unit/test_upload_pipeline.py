@@ -97,6 +97,7 @@ def _fake_cuda(monkeypatch, log: _Log) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(staging, "host_buffer", host_buffer)
+    monkeypatch.setattr(staging, "release_pinned", lambda: log.calls.append(("release_pinned",)))
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
     monkeypatch.setattr(loader, "Transfer", functools.partial(Transfer, cuda=True))
 
@@ -134,6 +135,7 @@ def test_cuda_path_on_cpu(monkeypatch, ckpt, world, rank):
     assert log.calls.count(("wait_stream", "side", "current")) == files
     assert log.calls.count(("wait_stream", "current", "side")) == 1
     assert ("stream_sync", "side") in log.calls
+    assert log.calls[-1] == ("release_pinned",)  # after the last event was waited on
 
 
 def _floats() -> int:
