@@ -15,7 +15,7 @@ offsets: each tensor is taken to start on a page of its own.
 import math
 import mmap
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..dtypes import BY_CODE
 from .tp_plan import ShardPlan
@@ -27,8 +27,7 @@ MERGE = 128 * 2**10  # holes smaller than this are read through (the kernel's de
 ALIGN = 8  # the largest element size
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """A tensor's rank-local bytes in its file: `count` rows of `length` bytes, `stride` apart, from `start`."""
 
     start: int
@@ -45,7 +44,7 @@ class Run:
 def run_of(plan: ShardPlan) -> Run:
     item = BY_CODE[plan.src_dtype].itemsize
     base = plan.offset or 0
-    local = plan.numel * item
+    local = math.prod(plan.local_shape) * item
     rows = plan.local_shape[0] if plan.local_shape else 1
     unit = local // rows if rows else item
     if plan.axis.dim is None:
@@ -59,8 +58,7 @@ def run_of(plan: ShardPlan) -> Run:
     return Run(start, length, stride, outer, length)
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """Bytes [begin, end) of a tensor's local data (source dtype, row-major), found at file offset `offset`."""
 
     index: int  # the tensor's position in the rank's plan
@@ -69,8 +67,7 @@ class Part:
     offset: int
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Rows [row, row + rows) of a row-split tensor read as one range; the local columns are picked out after."""
 
     index: int
@@ -78,8 +75,7 @@ class Span:
     rows: int
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """One reader task: preads (file offset, bytes, slot position) and the tensor parts they hold.
 
     A contiguous part lands at its read's slot position plus its distance from the read's start. A span chunk holds
