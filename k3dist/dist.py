@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -117,7 +118,7 @@ def pick_device(device: str, rank: int, local_rank: int) -> tuple[torch.device, 
 def node_id() -> str:
     """This machine: hostname and kernel boot id. Ranks with the same id share one page cache and one set of GPUs."""
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}/{boot}"
@@ -136,8 +137,10 @@ def check_devices(rt: Runtime, unusable: str | None) -> None:
     shared = [group for group in by_uuid.values() if len(group) > 1]
     if shared:
         what = "; ".join(
-            "ranks " + ", ".join(f"{st['rank']} ({st['host']} {st['device']})" for st in group) + f" share GPU {uuid}"
-            for uuid, group in ((g[0]["uuid"], g) for g in shared)
+            "ranks "
+            + ", ".join(f"{st['rank']} ({st['host']} {st['device']})" for st in group)
+            + f" share GPU {group[0]['uuid']}"
+            for group in shared
         )
         raise K3Error(
             f"devices: {what}; run one rank per GPU (rank i of a machine uses cuda:LOCAL_RANK, or give each rank its "

@@ -178,8 +178,8 @@ def pages(chunks: Iterable[Chunk], page: int = PAGE) -> int:
 
 
 def read_bytes(plans: list[ShardPlan], chunks: dict[object, list[Chunk]] | None = None, page: int = PAGE) -> int:
-    """Page-granular bytes a rank reads from the checkpoint: each file's header (read again at load to check it),
-    then the reads of its schedule."""
+    """Page-granular bytes a rank reads from the checkpoint, given its whole plan: each file's header (read again at
+    load to check it: everything before the file's first tensor), then the reads of its schedule."""
     chunks = schedule(plans) if chunks is None else chunks
     data: dict[object, int] = {}  # where each file's data starts: its first tensor's offset
     for p in plans:
