@@ -159,7 +159,8 @@ def _forget(exc: BaseException | None) -> None:
 
 def readers(rt: Runtime) -> int:
     """Reader threads: up to one per staging slot, the ranks of a machine sharing its cores."""
-    return max(1, min(SLOTS, len(os.sched_getaffinity(0)) // max(rt.local_world, 1)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(SLOTS, cores // max(rt.local_world, 1)))
 
 
 class _Loading:
@@ -230,7 +231,8 @@ class _Loading:
         """Check the file still holds what was planned, make the weights (hooks first, in plan order), read."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: read exactly the planned pages
+            if hasattr(os, "posix_fadvise"):  # no readahead: read exactly the planned pages
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._check(fd, path, members)
             targets = {}
             for i in members:
