@@ -270,9 +270,10 @@ class _Loading:
     def _describe(self, exc: Exception, path: Path) -> str:
         """This rank's failure as one line naming the rank, the tensor, the file and the numbers."""
         where = self.where
-        if where is None:
-            chunk = self.transfer.chunk
-            where = f"at tensor {self.plans[_indices(chunk)[0]].name} of {path}" if chunk else f"reading {path}"
+        if where is None:  # in the transfer: a reader names the tensor it hit, else the chunk's first one
+            chunk, index = self.transfer.chunk, getattr(exc, "k3_index", None)
+            index = _indices(chunk)[0] if index is None and chunk is not None else index
+            where = f"reading {path}" if index is None else f"at tensor {self.plans[index].name} of {path}"
         if isinstance(exc, torch.OutOfMemoryError):
             return (
                 f"rank {self.rt.rank}: out of device memory {where} after uploading {fmt_bytes(self.uploaded)} of "

@@ -3,9 +3,10 @@
 A tensor's rank-local bytes lie in its file as `count` rows of `length` bytes, `stride` apart: one row when they are
 contiguous (replicated tensors, splits of the leading dim), one row per leading index for a split of a later dim.
 Reads are scheduled as chunks that each fit one staging slot. Byte ranges closer than `MERGE` join into one read
-(the bytes between are read and dropped: reading through a small hole is cheaper than a second request), so a
-row-split tensor whose local part of a row is small is read whole, and consecutive tensors of a file read as one
-range. Large ranges are cut at row boundaries.
+(the bytes between are read and dropped: reading through a small hole is cheaper than a second request), so
+consecutive tensors of a file read as one range, and a row-split tensor whose local parts of its rows lie closer
+than that is read whole: a span, whose pages are brought in at once and whose local columns are then picked out of
+the file's mapping. Large ranges are cut at row boundaries.
 
 The kernel reads whole pages, so `read_bytes` counts the pages these reads touch: the honest reading figure, which
 for row splits at high TP is many times the rank's share of the checkpoint. Plans from the config alone know no
@@ -68,48 +69,57 @@ class Part(NamedTuple):
 
 
 class Span(NamedTuple):
-    """Rows [row, row + rows) of a row-split tensor read as one range; the local columns are picked out after."""
+    """Rows [row, row + rows) of a row-split tensor whose local parts lie close: the file range [offset, offset +
+    size) is read whole through the file's mapping, and the rows' local columns are staged, packed, at slot position
+    `at` (on CPU they go straight into the weights)."""
 
     index: int
     row: int
     rows: int
+    offset: int
+    size: int
+    at: int
 
 
 class Chunk(NamedTuple):
-    """One reader task: preads (file offset, bytes, slot position) and the tensor parts they hold.
+    """One reader task: preads (file offset, bytes, slot position) and the contiguous parts they hold, and spans.
 
-    A contiguous part lands at its read's slot position plus its distance from the read's start. A span chunk holds
-    one read of whole rows, then (at `packed_at`) room for the rows' local columns packed.
+    A part lands at its read's slot position plus its distance from the read's start.
     """
 
     reads: tuple[tuple[int, int, int], ...]
     parts: tuple[Part, ...] = ()
-    span: Span | None = None
+    spans: tuple[Span, ...] = ()
     size: int = 0  # slot bytes it needs when everything is staged
 
 
 class _Builder:
-    """Packs one file's parts into chunks, in file order."""
+    """Packs one file's parts and spans into chunks, in file order."""
 
     def __init__(self, cap: int, merge: int):
         self.cap, self.merge, self.chunks = cap, merge, []
+        self._reset()
+
+    def _reset(self) -> None:
         self.reads: list[list[int]] = []
         self.parts: list[Part] = []
-        self.size = 0
+        self.spans: list[Span] = []
+        self.size, self.joinable = 0, False
 
     def flush(self) -> None:
-        if self.reads:
-            self.chunks.append(Chunk(tuple(map(tuple, self.reads)), tuple(self.parts), None, self.size))
-        self.reads, self.parts, self.size = [], [], 0
+        if self.parts or self.spans:
+            reads = tuple(map(tuple, self.reads))
+            self.chunks.append(Chunk(reads, tuple(self.parts), tuple(self.spans), self.size))
+        self._reset()
 
     def add(self, index: int, begin: int, end: int, offset: int, unit: int) -> None:
         while begin < end:
-            gap = offset - self.reads[-1][0] - self.reads[-1][1] if self.reads else -1
+            gap = offset - self.reads[-1][0] - self.reads[-1][1] if self.reads and self.joinable else -1
             joined = 0 <= gap < self.merge
             extra = gap if joined else _pad(offset - self.size)
             take = min(end - begin, (self.cap - self.size - extra) // unit * unit)
             if take <= 0:
-                if self.reads:
+                if self.parts or self.spans:
                     self.flush()
                     continue
                 take = min(unit, end - begin)
@@ -119,27 +129,27 @@ class _Builder:
                 self.reads.append([offset, take, self.size + extra])
             self.size += extra + take
             self.parts.append(Part(index, begin, begin + take, offset))
-            begin, offset = begin + take, offset + take
+            begin, offset, self.joinable = begin + take, offset + take, True
 
     def span(self, index: int, run: Run) -> None:
-        self.flush()
-        per = max(1, (self.cap - ALIGN) // (run.stride + run.length))
-        for row in range(0, run.count, per):
-            rows = min(per, run.count - row)
-            raw = (rows - 1) * run.stride + run.length
-            read = ((run.start + row * run.stride, raw, 0),)
-            self.chunks.append(Chunk(read, (), Span(index, row, rows), packed_at(raw) + rows * run.length))
+        row = 0
+        while row < run.count:
+            at = -(-self.size // ALIGN) * ALIGN
+            rows = min(run.count - row, (self.cap - at) // run.length)
+            if rows <= 0:
+                if self.parts or self.spans:
+                    self.flush()
+                    continue
+                at, rows = 0, 1
+            offset = run.start + row * run.stride
+            self.spans.append(Span(index, row, rows, offset, (rows - 1) * run.stride + run.length, at))
+            self.size, row, self.joinable = at + rows * run.length, row + rows, False
 
 
 def _pad(distance: int) -> int:
     """Bytes that put the next read at a slot position congruent to its file offset, so every tensor keeps the
     alignment it has in the file (safetensors aligns each tensor to its element size)."""
     return distance % ALIGN
-
-
-def packed_at(raw: int) -> int:
-    """Slot position of a span chunk's packed columns, after its `raw` bytes of whole rows."""
-    return -(-raw // ALIGN) * ALIGN
 
 
 def schedule(plans: list[ShardPlan], cap: int = CHUNK, merge: int = MERGE) -> dict[object, list[Chunk]]:
@@ -170,7 +180,9 @@ def schedule(plans: list[ShardPlan], cap: int = CHUNK, merge: int = MERGE) -> di
 def pages(chunks: Iterable[Chunk], page: int = PAGE) -> int:
     """Pages the reads of one file's chunks touch, each page counted once."""
     total, last = 0, -1
-    for start, size, _ in sorted(r for c in chunks for r in c.reads):
+    ranges = [(start, size) for c in chunks for start, size, _ in c.reads]
+    ranges += [(span.offset, span.size) for c in chunks for span in c.spans]
+    for start, size in sorted(ranges):
         first, final = start // page, (start + size - 1) // page
         total += max(0, final - max(first, last + 1) + 1)
         last = max(last, final)

@@ -1,23 +1,28 @@
 """Reading runs ahead of copying: reader threads fill chunks while the calling thread puts finished ones in place.
 
-Readers use `os.preadv`: one call per contiguous file range (the GIL released meanwhile) into any list of buffers,
-so a range spanning several tensors lands in all of them at once. On CPU the buffers are the weights themselves
-wherever the bytes need no change; casts, row-split tensors and the holes between merged reads go through a staging
-slot and are then copied into the weights by this thread. On CUDA every chunk goes through a pinned slot and on to
-the device with non-blocking copies on a side stream; a slot is refilled only after its copies finished.
+Readers use `os.preadv` for contiguous ranges: one call per range (the GIL released meanwhile) into any list of
+buffers, so a range spanning several tensors lands in all of them at once. On CPU the buffers are the weights
+themselves wherever the bytes need no change; casts and the holes between merged reads go through a staging slot
+and are then copied into the weights by this thread. A span (a row-split tensor read whole) is read through the
+file's mapping: its pages are asked for at once (MADV_WILLNEED) and its local columns copied out, on CPU straight
+into the weights. On CUDA every chunk goes through a pinned slot and on to the device with non-blocking copies on a
+side stream; a slot is refilled only after its copies finished.
 
-The file descriptor is opened with readahead off, so the pages read are exactly the ones reads.py counts.
+Readahead is off on the descriptor and the mapping, so the pages read are exactly the ones reads.py counts.
 """
 
+import mmap
 import os
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 
 import torch
 
 from ..dtypes import BY_CODE
-from .reads import Chunk, packed_at, run_of
+from .reads import PAGE, Chunk, run_of
 from .staging import Ring, Slot
 from .tp_plan import ShardPlan
 
@@ -44,6 +49,36 @@ def preadv_all(fd: int, buffers: list, offset: int) -> None:
             first += 1
         if n:
             views[first] = views[first][n:]
+
+
+class _Mapping:
+    """One file mapped read-only for its spans, readahead off."""
+
+    def __init__(self, fd: int):
+        self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        self.map.madvise(mmap.MADV_RANDOM)
+        with warnings.catch_warnings():  # torch has no read-only tensors; these views are only ever read
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def columns(self, offset: int, rows: int, length: int, stride: int, dtype: torch.dtype) -> torch.Tensor:
+        """`rows` rows of `length` bytes, `stride` apart from `offset`, as a strided view of elements (not read)."""
+        raw = self.bytes[offset : offset + (rows - 1) * stride + length]
+        if offset % dtype.itemsize:  # a file that does not align its tensors: read them out here
+            raw = raw.clone()
+        return raw.view(dtype).as_strided((rows, length // dtype.itemsize), (stride // dtype.itemsize, 1))
+
+    def willneed(self, offset: int, size: int) -> None:
+        """Ask for the pages of [offset, offset + size) at once: one large read, not a fault per page."""
+        start = offset // PAGE * PAGE
+        self.map.madvise(mmap.MADV_WILLNEED, start, offset + size - start)
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:  # a view survived a failure (its traceback): the mapping goes when it does
+            pass
 
 
 class _Job:
@@ -80,14 +115,19 @@ class Transfer:
         raises, only once no reader touches memory anymore; on CUDA the copies may still be queued."""
         if self.stream is not None:  # the weights were just allocated on the current stream
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        mapping = _Mapping(fd) if any(c.spans for c in chunks) else None
         pending: deque[_Job] = deque()
         try:
             for chunk in chunks:
                 if len(pending) >= self.depth:
                     self._finish(pending.popleft(), done)
                 self.chunk = chunk
-                job, reads, pack = self._prepare(chunk, targets, plans)
-                job.future = self.pool.submit(self._read, fd, reads, pack, _indices(chunk), at_read)
+                job, reads, spans, packs = self._prepare(chunk, targets, plans, mapping)
+                steps = [(partial(at_read, i), i) for i in _indices(chunk)]
+                steps += [(partial(m.willneed, offset, size), i) for m, offset, size, i in spans]  # I/O starts now
+                steps += [(partial(preadv_all, fd, buffers, offset), i) for offset, buffers, i in reads]
+                steps += [(partial(target.copy_, source), i) for target, source, i in packs]
+                job.future = self.pool.submit(self._read, steps)
                 pending.append(job)
             while pending:
                 self._finish(pending.popleft(), done)
@@ -97,21 +137,24 @@ class Transfer:
                     job.future.cancel()
             wait([job.future for job in pending if job.future is not None])
             raise
+        finally:
+            if mapping is not None:
+                mapping.close()
 
-    def _prepare(self, chunk: Chunk, targets: dict[int, torch.Tensor], plans: list[ShardPlan]):
-        """The chunk's job, its reads (file offset, buffers) and the packing its reader does (CUDA spans)."""
-        if chunk.span is not None:
-            return self._prepare_span(chunk, targets, plans)
+    def _prepare(self, chunk: Chunk, targets: dict[int, torch.Tensor], plans: list[ShardPlan], mapping):
+        """The chunk's job and its reader's work: preads (file offset, buffers), span ranges to ask for, and the
+        copies of the spans' local columns (on CPU straight into the weights; on CUDA packed into the slot, so that
+        each device copy is one contiguous transfer)."""
         direct = not self.cuda
-        sources = {p.index: BY_CODE[plans[p.index].src_dtype].torch for p in chunk.parts}
-        staged = {i for i, src in sources.items() if not (direct and targets[i].dtype == src)}
+        sources = {i: BY_CODE[plans[i].src_dtype].torch for i in _indices(chunk)}
+        staged = {p.index for p in chunk.parts if not (direct and targets[p.index].dtype == sources[p.index])}
         holes = sum(p.end - p.begin for p in chunk.parts) < sum(size for _, size, _ in chunk.reads)
-        slot = self.ring.take() if staged or holes else None
+        slot = self.ring.take() if staged or holes or (chunk.spans and not direct) else None
         reads, copies, nbytes = [], [], 0
         parts = iter(chunk.parts)
         part = next(parts, None)
         for offset, size, at in chunk.reads:
-            buffers, cursor = [], offset
+            buffers, cursor, first_index = [], offset, part.index if part is not None else -1
             while part is not None and part.offset < offset + size:
                 if part.offset > cursor:
                     buffers.append(_buffer(slot.buffer[at + cursor - offset : at + part.offset - offset]))
@@ -128,38 +171,31 @@ class Transfer:
                 nbytes += (last - first) * target.dtype.itemsize
                 cursor = part.offset + part.end - part.begin
                 part = next(parts, None)
-            reads.append((offset, buffers))
-        return _Job(chunk, slot, copies, nbytes), reads, None
-
-    def _prepare_span(self, chunk: Chunk, targets: dict[int, torch.Tensor], plans: list[ShardPlan]):
-        """Whole rows into the slot; their local columns go to the weights (CUDA: packed in the slot first, by the
-        reader, so the device copy is one contiguous transfer)."""
-        span = chunk.span
-        run, src = run_of(plans[span.index]), BY_CODE[plans[span.index].src_dtype].torch
-        ((offset, raw, _),) = chunk.reads
-        slot = self.ring.take()
-        columns = (
-            slot.buffer[:raw]
-            .view(src)
-            .as_strided((span.rows, run.length // src.itemsize), (run.stride // src.itemsize, 1))
-        )
-        target = targets[span.index].view(run.count, -1)[span.row : span.row + span.rows]
-        pack = None
-        if self.cuda:
-            at = packed_at(raw)
-            packed = slot.buffer[at : at + span.rows * run.length].view(src).view(span.rows, -1)
-            pack, columns = (packed, columns), packed
-        job = _Job(chunk, slot, [(target, columns, None)], target.numel() * target.dtype.itemsize)
-        return job, [(offset, [_buffer(slot.buffer[:raw])])], pack
+            reads.append((offset, buffers, first_index))
+        spans, packs = [], []
+        for span in chunk.spans:
+            run, src = run_of(plans[span.index]), sources[span.index]
+            columns = mapping.columns(span.offset, span.rows, run.length, run.stride, src)
+            target = targets[span.index].view(run.count, -1)[span.row : span.row + span.rows]
+            spans.append((mapping, span.offset, span.size, span.index))
+            if direct:
+                packs.append((target, columns, span.index))
+            else:
+                packed = slot.buffer[span.at : span.at + span.rows * run.length].view(src).view(span.rows, -1)
+                packs.append((packed, columns, span.index))
+                copies.append((target, packed, None))
+            nbytes += target.numel() * target.dtype.itemsize
+        return _Job(chunk, slot, copies, nbytes), reads, spans, packs
 
     @staticmethod
-    def _read(fd: int, reads: list, pack, indices: list[int], at_read: Callable[[int], None]) -> None:
-        for index in indices:
-            at_read(index)
-        for offset, buffers in reads:
-            preadv_all(fd, buffers, offset)
-        if pack is not None:
-            pack[0].copy_(pack[1])
+    def _read(steps: list) -> None:
+        """A reader's work, step by step; an error carries the plan index of the tensor it hit (`k3_index`)."""
+        for step, index in steps:
+            try:
+                step()
+            except Exception as exc:
+                exc.k3_index = index
+                raise
 
     def _finish(self, job: _Job, done: Callable[[int], None]) -> None:
         self.chunk = job.chunk
@@ -197,6 +233,6 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _indices(chunk: Chunk) -> list[int]:
-    if chunk.span is not None:
-        return [chunk.span.index]
-    return list(dict.fromkeys(p.index for p in chunk.parts))
+    """The chunk's tensors, in file order."""
+    items = sorted([(p.offset, p.index) for p in chunk.parts] + [(s.offset, s.index) for s in chunk.spans])
+    return list(dict.fromkeys(index for _, index in items))

@@ -31,8 +31,13 @@ CPU_RANK = Runtime(0, 1, 0, 1, torch.device("cpu"), "gloo", None, 30.0)  # a wor
 needs_linux = pytest.mark.skipif(not SUPPORTED, reason="needs mincore, madvise and posix_fadvise")
 
 
-def _read_pages(reads_: list[tuple[int, int, int]]) -> set[int]:
-    return {page for start, size, _ in reads_ for page in range(start // PAGE, (start + size - 1) // PAGE + 1)}
+def _read_pages(ranges: list[tuple[int, int]]) -> set[int]:
+    return {page for start, size in ranges for page in range(start // PAGE, (start + size - 1) // PAGE + 1)}
+
+
+def _ranges(chunks) -> list[tuple[int, int]]:
+    """Every file range the chunks read: preads and spans."""
+    return [r[:2] for c in chunks for r in c.reads] + [(s.offset, s.size) for c in chunks for s in c.spans]
 
 
 # --------------------------------------------------------------------------------------------------- copy_shard
@@ -64,7 +69,7 @@ def test_read_bytes_are_the_pages_copy_shard_touches(tmp_path, case):
     assert offset > 2**20 and offset % PAGE  # the tensor starts mid-page
     plan = plan_tensor(TensorEntry(name, name, path.name, shape, "BF16", offset), 8, 5, torch.bfloat16)
     chunks = schedule([plan])[path.name]
-    planned = _read_pages([r for c in chunks for r in c.reads])
+    planned = _read_pages(_ranges(chunks))
     first, last = offset // PAGE, (offset + full.numel() * 2 - 1) // PAGE
     with safe_open(path, framework="pt") as handle:
         if not no_readahead(path):
@@ -103,7 +108,7 @@ def small_ckpt(tmp_path_factory) -> Path:
 def _expected_pages(plans, file: str) -> set[int]:
     """The header, then every scheduled read of one file."""
     data = min(p.offset for p in plans if p.file == file)
-    return _read_pages([(0, data, 0)] + [r for c in schedule(plans)[file] for r in c.reads])
+    return _read_pages([(0, data)] + _ranges(schedule(plans)[file]))
 
 
 @needs_linux
@@ -204,7 +209,7 @@ def test_expert_w2_at_tp8_reads_every_page_of_the_48b():
     source = sum(p.source_bytes for p in w2)
     whole = sum(math.prod(p.full_shape) * 2 for p in w2)
     assert reads.read_bytes(w2) == whole == 8 * source
-    assert all(len(c.reads) == 1 and c.span is not None for cs in schedule(w2).values() for c in cs)
+    assert all(not c.reads and len(c.spans) == 1 for cs in schedule(w2).values() for c in cs)  # each read whole
     mp = memory_plan(3, plans, 0, 0, 2**62)
     assert mp.read_bytes > 3 * mp.source_bytes and mp.read_bytes - whole >= mp.source_bytes - source
     one = memory_plan(0, plan_rank(cfg, config_entries(cfg), 1, 0, torch.bfloat16), 0, 0, 2**62)
@@ -217,4 +222,4 @@ def test_holes_under_merge_are_read_through():
     for cols, joined in ((MERGE // 2, True), (2 * MERGE, False)):  # row bytes = 2 * cols (bf16)
         plan = plan_tensor(TensorEntry(name, name, "f", (4, cols), "BF16", 4096), 2, 0, torch.bfloat16)
         (chunk,) = schedule([plan])["f"]
-        assert (chunk.span is not None) == joined and len(chunk.reads) == (1 if joined else 4)
+        assert len(chunk.spans) == joined and len(chunk.reads) == (0 if joined else 4)
