@@ -2,8 +2,8 @@
 
 On CUDA the slots are pinned, so host-to-device copies run asynchronously on a side stream; each slot carries an
 event recorded after its copies, and a slot is handed out again only once that event has passed. On CPU a slot is
-plain memory, allocated on first use (only casts, row-split tensors and the holes between merged reads pass
-through it; everything else is read straight into the weights).
+plain memory, allocated on first use: only casts and the holes between merged reads pass through it, everything
+else is read straight into the weights.
 """
 
 import torch
