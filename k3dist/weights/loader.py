@@ -25,7 +25,7 @@ from ..units import fmt_bytes
 from .inventory import Inventory, layout
 from .memory import MemoryPlan, detect_free, memory_plan
 from .pagecache import PageCache
-from .reads import SLOTS, schedule, staging
+from .reads import SLOTS, collector_paused, schedule, staging
 from .tp_plan import ShardPlan, plan_rank, store_shapes
 from .transfer import Transfer, _indices
 
@@ -315,7 +315,8 @@ def upload(
     the free memory left); on failure free them all, then re-raise."""
     loading = _Loading(inv, plans, rt, faults, memory, pages, baseline)
     try:
-        tensors = loading.run()
+        with collector_paused():
+            tensors = loading.run()
     except BaseException as exc:
         _forget(exc)
         loading.close()
