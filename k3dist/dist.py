@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ def init(
         raise K3Error(f"dist.device={device!r} must be auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise K3Error(f"rank {rank}: dist.device=cuda but no CUDA device is visible")
-    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    dev, unusable = pick_device(device, rank, local_rank)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend not in ("gloo", "nccl"):
@@ -84,15 +85,73 @@ def init(
         raise K3Error("dist.backend=nccl needs dist.device=cuda")
     timeout = timedelta(seconds=float(timeout_s))
     collective = timedelta(seconds=float(collective_timeout_s or timeout_s))
-    if dev.type == "cuda":
+    if dev.type == "cuda" and unusable is None:
         torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
+    if not dist.is_initialized():  # a rank without a GPU still joins, so that every rank hears why
+        kwargs = {"device_id": dev} if backend == "nccl" and unusable is None else {}
         dist.init_process_group(backend, timeout=collective, **kwargs)
     ctrl = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else dist.group.WORLD
     global _current
     _current = Runtime(rank, world, local_rank, local_world, dev, backend, ctrl, float(timeout_s))
+    check_devices(_current, unusable)
     return _current
+
+
+def pick_device(device: str, rank: int, local_rank: int) -> tuple[torch.device, str | None]:
+    """One rank per GPU: `cuda:LOCAL_RANK`, or `cuda:0` when the process sees exactly one GPU (each rank given its
+    own through CUDA_VISIBLE_DEVICES). Returns the device and, when LOCAL_RANK has none, the refusal to agree on."""
+    if device == "cpu":
+        return torch.device("cpu"), None
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return torch.device("cuda", 0), None
+    if local_rank < visible:
+        return torch.device("cuda", local_rank), None
+    where = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", 0), (
+        f"rank {rank}: LOCAL_RANK={local_rank} has no GPU: this process sees {visible} "
+        f"(cuda:0..{visible - 1}, CUDA_VISIBLE_DEVICES={where if where is not None else 'unset'}); "
+        "start at most one rank per GPU on each machine"
+    )
+
+
+def node_id() -> str:
+    """This machine: hostname and kernel boot id. Ranks with the same id share one page cache and one set of GPUs."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def check_devices(rt: Runtime, unusable: str | None) -> None:
+    """Agree right after init that every rank has a device and no two ranks drive the same GPU (UUIDs compared)."""
+    uuid = None
+    if rt.device.type == "cuda" and unusable is None:
+        uuid = str(torch.cuda.get_device_properties(rt.device.index).uuid)
+    statuses = agree("devices", unusable, rt, host=socket.gethostname(), device=str(rt.device), uuid=uuid)
+    by_uuid: dict[str, list[dict]] = {}
+    for st in statuses:
+        if st["uuid"] is not None:
+            by_uuid.setdefault(st["uuid"], []).append(st)
+    shared = [group for group in by_uuid.values() if len(group) > 1]
+    if shared:
+        what = "; ".join(
+            "ranks "
+            + ", ".join(f"{st['rank']} ({st['host']} {st['device']})" for st in group)
+            + f" share GPU {group[0]['uuid']}"
+            for group in shared
+        )
+        raise K3Error(
+            f"devices: {what}; run one rank per GPU (rank i of a machine uses cuda:LOCAL_RANK, or give each rank its "
+            "own GPU through CUDA_VISIBLE_DEVICES)",
+            agreed=True,
+        )
+
+
+def count(key: str) -> int:
+    """Add one to counter `key` in the rendezvous store, which every rank of the job reaches; returns the count."""
+    return _store().add(key, 1)
 
 
 _current: Runtime | None = None

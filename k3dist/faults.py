@@ -1,6 +1,7 @@
-"""Fault injection for tests (`fault.*` overrides): a fault fires on one rank, at one tensor of the upload or in
-prefill or decode after the load."""
+"""Fault injection for tests (`fault.*` overrides): a fault fires on one rank, at one tensor or file of the upload
+or in prefill or decode after the load."""
 
+import errno
 import os
 import signal
 import time
@@ -22,6 +23,10 @@ class Faults:
     hang_at: int | None = None  # the rank stops responding at the Nth tensor
     delay_s: float | None = None  # the fault waits this long first, so peers already wait on the rank in the agreement
     raise_in: str | None = None  # "prefill" or "decode": the rank raises there, after the load
+    read_fail_at: int | None = None  # a reader thread fails (EIO) reading the Nth tensor
+    hold_at_file: int | None = None  # the rank waits delay_s before reading the Nth file (0-based, in upload order)
+    free_drop: int | None = None  # the rank's free memory reads this many bytes lower during the upload ...
+    free_drop_at: int | None = None  # ... from the end of the Nth file on (0-based; default 0)
 
     def mine(self, rank: int) -> bool:
         return self.rank is not None and self.rank == rank
@@ -43,6 +48,22 @@ class Faults:
         if index == self.hang_at:
             while True:
                 time.sleep(60)
+
+    def at_read(self, rank: int, index: int, name: str) -> None:
+        """Called by a reader thread before reading any part of tensor `index`."""
+        if self.mine(rank) and index == self.read_fail_at:
+            raise OSError(errno.EIO, f"injected read error at tensor {name} (fault.read_fail_at={index})")
+
+    def before_file(self, rank: int, index: int) -> None:
+        """Called by the loader before reading file `index`."""
+        if self.mine(rank) and index == self.hold_at_file:
+            time.sleep(self.delay_s or 0)
+
+    def free_seen(self, rank: int, index: int, free: int) -> int:
+        """The free memory the loader sees after file `index`."""
+        if self.mine(rank) and self.free_drop and index >= (self.free_drop_at or 0):
+            return max(0, free - self.free_drop)
+        return free
 
     def after_load(self, rank: int, stage: str) -> None:
         """Called by the engine in each prefill and decode window."""

@@ -44,7 +44,7 @@ class DistSettings:
 class MemorySettings:
     reserve: int | None  # None: the device's default (memory.py)
     free: int | None
-    drop_page_cache: str
+    drop_page_cache: str  # auto (CUDA only), on, off: weights/pagecache.py
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def parse(job: dict) -> Settings:
         memory=MemorySettings(
             reserve=mem.size("reserve"),
             free=mem.size("free"),
-            drop_page_cache=mem.choice("drop_page_cache", ("auto", "off")),
+            drop_page_cache=mem.choice("drop_page_cache", ("auto", "on", "off")),
         ),
         cache=CacheSettings(cap=cache.integer("cap", 1)),
         generate=GenerateSettings(

@@ -1,15 +1,20 @@
-"""What a person sees at the end: a compact per-rank table of plan, load, prefill and decode."""
+"""What a person sees at the end: a compact per-rank table of plan, load, prefill and decode.
+
+`read` is the page-granular checkpoint bytes the rank reads (weights/reads.py): more than its share where row splits
+leave less than a page of each row to it.
+"""
 
 from .units import fmt_bytes
 
 
 def print_summary(result: dict) -> None:
-    rows = [("rank", "local", "cache", "admitted", "free", "fits")]
+    rows = [("rank", "local", "read", "cache", "admitted", "free", "fits")]
     for p in result.get("plan", []):
         rows.append(
             (
                 str(p["rank"]),
                 fmt_bytes(p["local_bytes"]),
+                fmt_bytes(p["read_bytes"]) if "read_bytes" in p else "-",
                 fmt_bytes(p["cache_bytes"]),
                 fmt_bytes(p["admitted"]),
                 fmt_bytes(p["free"]),

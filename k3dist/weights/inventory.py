@@ -29,6 +29,7 @@ class TensorEntry:
     file: str | None  # file name relative to the model dir; None when planned from the config alone
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype code
+    offset: int | None = None  # absolute byte offset of its data in the file; None when planned from the config
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,19 @@ def header_digest(path: Path, size: int) -> str:
         digest.update(head)
         digest.update(f.read(int.from_bytes(head, "little")))
     return digest.hexdigest()
+
+
+def layout(fd: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Each tensor's dtype, shape and absolute data offset (8 + header length + its data_offsets[0]; safetensors does
+    not expose offsets), from a header safetensors has validated. Plain preads of the header's bytes only, so that
+    a loader reading with readahead off touches no other page."""
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    header = json.loads(os.pread(fd, n, 8))
+    return {
+        key: (info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+        for key, info in header.items()
+        if key != "__metadata__"
+    }
 
 
 def _header_problem(path: Path, size: int) -> str | None:
@@ -161,9 +175,15 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         total += size
         try:
             with safe_open(path, framework="pt") as handle:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    offsets = {key: offset for key, (_, _, offset) in layout(fd).items()}
+                finally:
+                    os.close(fd)
                 for key in handle.keys():
                     piece = handle.get_slice(key)
-                    entry = TensorEntry(canonical_name(key), key, name, tuple(piece.get_shape()), piece.get_dtype())
+                    shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                    entry = TensorEntry(canonical_name(key), key, name, shape, dtype, offsets[key])
                     if entry.name in found:
                         raise K3Error(f"{path}: tensor {key} is duplicated (also in {found[entry.name].file})")
                     found[entry.name] = entry

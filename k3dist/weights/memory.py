@@ -9,16 +9,18 @@ from pathlib import Path
 import torch
 
 from ..units import fmt_bytes
+from .reads import read_bytes, schedule, staging
 from .tp_plan import ShardPlan
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     rank: int
-    source_bytes: int  # checkpoint bytes this rank reads
+    source_bytes: int  # checkpoint bytes this rank keeps (its share of the checkpoint)
+    read_bytes: int  # page-granular checkpoint bytes it really reads (reads.py): row splits read whole pages
     local_bytes: int  # weight bytes it keeps on its device
     replicated_bytes: int  # part of local_bytes every rank holds
-    staging_peak: int  # largest single upload (host staging of one slice)
+    staging_peak: int  # what the staging ring holds at once: a few chunks of at most 64 MiB (reads.py)
     derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights)
     cache_bytes: int  # KDA state + MLA latent for batch x cap
     runtime_bytes: int  # activations of one prefill chunk, logits and sampling buffers, workspaces (runtime.py)
@@ -57,12 +59,15 @@ class MemoryPlan:
 def memory_plan(
     rank: int, plans: list[ShardPlan], cache: int, reserve: int, free: int, runtime: int = 0, derived: int = 0
 ) -> MemoryPlan:
+    chunks = schedule(plans)
+    slots, slot_bytes = staging(chunks)
     return MemoryPlan(
         rank=rank,
         source_bytes=sum(p.source_bytes for p in plans),
+        read_bytes=read_bytes(plans, chunks),
         local_bytes=sum(p.local_bytes for p in plans),
         replicated_bytes=sum(p.local_bytes for p in plans if p.axis.dim is None),
-        staging_peak=max((p.source_bytes for p in plans), default=0),
+        staging_peak=slots * slot_bytes,
         derived_bytes=derived,
         cache_bytes=cache,
         runtime_bytes=runtime,
@@ -102,9 +107,11 @@ def host_available() -> int:
 
 
 def detect_free(device: torch.device, local_world: int = 1) -> int:
-    """Free bytes for this rank: CUDA free memory, or host memory shared by the ranks on this machine."""
+    """Free bytes for this rank: CUDA free memory plus what torch's allocator holds unused (it is this process's to
+    reuse), or host memory shared by the ranks on this machine."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return host_available() // max(local_world, 1)
 
 

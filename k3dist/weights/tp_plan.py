@@ -83,6 +83,7 @@ class ShardPlan:
     dest: str  # weight-store key
     slot: int | None  # index along the destination's stacked leading dim (experts, the three convs)
     row: int | None  # first row in a row-fused destination (q/k/v/f_a/g_a/b of a KDA layer, ...); None: not fused
+    offset: int | None = None  # file offset of the whole tensor's data (reads.py); None when planned from the config
 
     @property
     def numel(self) -> int:
@@ -131,6 +132,7 @@ def plan_tensor(
         dest=placement.dest,
         slot=placement.slot,
         row=row,
+        offset=entry.offset,
     )
 
 

@@ -147,14 +147,15 @@ def _weight_objects() -> int:
 
 
 def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
-    """Every case is one load with one fault; the faulty rank reports its cleanup event and a tensor census."""
+    """Every case is one load with one fault; every rank reports its cleanup event and a tensor census."""
     rt = dist.init("gloo", "cpu", 30)
     cfg = load_config(model_dir)
     inv = scan(model_dir, cfg)
     plans = plan_rank(cfg, inv.entries.values(), rt.world, rt.rank, torch.float32)
+    files = list(dict.fromkeys(p.file for p in plans))
     events, out = Events(), []
     for kind, rank, index in cases:
-        census = _weight_objects if rank == rt.rank else lambda: None
+        census = _weight_objects
         before = census()
         try:
             load_weights(inv, rt, torch.float32, 0, 0, faults=Faults(rank=rank, **{kind: index}))
@@ -166,6 +167,10 @@ def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
                 "error": error,
                 "events": [e for e in events.take() if e.startswith("k3_weight_cleanup")],
                 "placed": len({p.dest for p in plans[:index]}),  # store tensors made before the fault fired
+                # ... and on a peer, every store tensor up to the end of that file, whose agreement stops it
+                "placed_by_file": len(
+                    {p.dest for p in plans if files.index(p.file) <= files.index(plans[index].file)}
+                ),
                 "tensors_before": before,
                 "tensors_after": census(),
             }
@@ -197,7 +202,9 @@ def test_allocation_failure_leaves_nothing_allocated(failures, tensors, rank, in
     assert faulty["events"] == [f"k3_weight_cleanup rank={rank} freed={faulty['placed']} live=0"]
     assert index == 0 or faulty["placed"] > 0
     assert faulty["tensors_after"] == faulty["tensors_before"]  # an independent census: back at the baseline
-    assert other["events"] == []
+    # the peer finished that file, then stopped at its agreement and freed what it had made
+    assert other["events"] == [f"k3_weight_cleanup rank={1 - rank} freed={other['placed_by_file']} live=0"]
+    assert other["tensors_after"] == other["tensors_before"]
 
 
 def test_out_of_memory_during_upload_says_the_reserve_is_exhausted(failures):
@@ -287,3 +294,89 @@ def test_torchrun_rank0_names_a_killed_rank(monkeypatch, ckpt, tensors, tmp_path
     assert [line for line in error_lines(text) if line.startswith("error: rank 0: upload: lost rank 1 (")], text
     assert "exitcode  : -9" in text and "rank      : 1 (local_rank: 1)" in text  # torchrun's own report
     assert len(seen) >= 3 and not left, (seen, left)
+
+
+# ---------------------------------------------------------------------- free memory taken mid-upload, readers
+
+
+def _fail_with(model_dir: str, cases: list[dict]) -> list[dict]:
+    """One load per case (fault fields); every rank reports its error, its load events and a tensor census."""
+    rt = dist.init("gloo", "cpu", 30)
+    inv = scan(model_dir, load_config(model_dir))
+    events, out = Events(), []
+    for fault in cases:
+        before = _weight_objects()
+        try:
+            load_weights(inv, rt, torch.float32, 0, 0, faults=Faults(**fault))
+            error = None
+        except K3Error as exc:
+            error = str(exc)
+        lines = [e for e in events.take() if e.startswith(("k3_weight_shard_loaded", "k3_weight_cleanup"))]
+        out.append({"error": error, "events": lines, "tensors_before": before, "tensors_after": _weight_objects()})
+    dist.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def midway(ckpt):
+    """Rank 1 loses (nearly) all its free memory after the second file; rank 0's reader fails in the third file."""
+    cfg = load_config(ckpt)
+    plans = plan_rank(cfg, scan(ckpt, cfg).entries.values(), 2, 0, torch.float32)
+    files = list(dict.fromkeys(p.file for p in plans))
+    at = next(i for i, p in enumerate(plans) if p.file == files[2])
+    cases = [
+        {"rank": 1, "free_drop": 2**60, "free_drop_at": 1},
+        {"rank": 0, "read_fail_at": at},
+    ]
+    results = expect_ok(run_ranks(_fail_with, 2, str(ckpt), cases, timeout=BOUND))
+    return {"files": files, "read_fail_at": plans[at].name, "runs": [[r[i] for r in results] for i in range(2)]}
+
+
+def test_free_memory_taken_mid_upload_stops_every_rank(ckpt, midway):
+    """After the file where rank 1's free memory fell under the reserve, both ranks stop with one line naming the
+    rank, the file and the numbers, and free everything; the files before carry the free-memory figures."""
+    per_rank = midway["runs"][0]
+    errors = {r["error"] for r in per_rank}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    second = ckpt / midway["files"][1]
+    assert error.startswith(f"upload failed on 1 of 2 ranks: rank 1: reserve exhausted after {second}: "), error
+    assert "free memory is 0 B, " in error and "still to allocate" in error and "< memory.reserve 0 B" in error
+    for rank, r in enumerate(per_rank):
+        loaded = [e for e in r["events"] if e.startswith("k3_weight_shard_loaded")]
+        assert len(loaded) == (1 if rank == 1 else 2), r["events"]  # rank 1's second file ended in its refusal
+        assert all(" free_bytes=" in e and " free_drop=" in e for e in loaded)
+        (cleanup,) = [e for e in r["events"] if e.startswith("k3_weight_cleanup")]
+        assert cleanup.startswith(f"k3_weight_cleanup rank={rank} freed=") and cleanup.endswith(" live=0")
+        assert r["tensors_after"] == r["tensors_before"]
+
+
+def test_a_reader_thread_failure_is_agreed_and_freed(ckpt, midway):
+    per_rank = midway["runs"][1]
+    errors = {r["error"] for r in per_rank}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error.startswith(f"upload failed on 1 of 2 ranks: rank 0: upload failed at tensor {midway['read_fail_at']}")
+    assert f"{ckpt / midway['files'][2]}: OSError: [Errno 5] injected read error" in error
+    for rank, r in enumerate(per_rank):
+        (cleanup,) = [e for e in r["events"] if e.startswith("k3_weight_cleanup")]
+        assert cleanup.startswith(f"k3_weight_cleanup rank={rank} freed=") and cleanup.endswith(" live=0")
+        assert r["tensors_after"] == r["tensors_before"]
+
+
+def test_reserve_exhausted_mid_upload_on_the_command_line(monkeypatch, ckpt, tmp_path):
+    """Through launch.py: both ranks end with the same line, nothing keeps running."""
+    rc, text, seen, left = run_watched(
+        monkeypatch,
+        tmp_path,
+        *_ckpt_args(ckpt),
+        "dist.nproc=2",
+        "fault.rank=1",
+        "fault.free_drop=1000TiB",
+        "fault.free_drop_at=1",
+    )
+    lines = error_lines(text)
+    assert rc != 0 and len(lines) == 2 and lines[0] == lines[1], text
+    assert lines[0].startswith("error: upload failed on 1 of 2 ranks: rank 1: reserve exhausted after "), text
+    assert "model-00002-of-00003.safetensors" in lines[0]
+    assert len(seen) >= 3 and not left
