@@ -214,7 +214,15 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     longest = max((len(p.ids) for p in prompts), default=1)
     runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample)
     store = load_weights(
-        inv, rt, dtype, cache_nbytes(shapes), reserve_of(s, rt.device), s.memory.free, s.fault, runtime.total
+        inv,
+        rt,
+        dtype,
+        cache_nbytes(shapes),
+        reserve_of(s, rt.device),
+        s.memory.free,
+        s.fault,
+        runtime.total,
+        s.memory.drop_page_cache,
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,

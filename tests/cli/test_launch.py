@@ -192,5 +192,12 @@ def test_what_if_plan_from_a_sparse_checkpoint_equals_the_config_plan(tmp_path):
         )
         assert rc == 0, text
         plans[name] = result
-    assert plans["sparse"]["plan"] == plans["config"]["plan"]
+    # equal but for the reads: from the config alone every tensor is assumed to start on a page; the real headers
+    # pack tensors back to back, so neighbours share pages and read chunks end elsewhere (the staging ring's size)
+    layout = ("read_bytes", "staging_peak", "admitted")
+    exact = {n: [{k: v for k, v in p.items() if k not in layout} for p in r["plan"]] for n, r in plans.items()}
+    assert exact["sparse"] == exact["config"]
+    for sparse, config in zip(plans["sparse"]["plan"], plans["config"]["plan"], strict=True):
+        assert sparse["source_bytes"] <= sparse["read_bytes"]
+        assert all(abs(sparse[k] / config[k] - 1) < 0.01 for k in layout), (sparse, config)
     assert plans["sparse"]["params"] == 49_122_681_728 and plans["sparse"]["tensors"] == 20_493

@@ -22,7 +22,9 @@ TIMEOUT_S = 120  # dist.timeout_s: a rank blocked in an agreement would wait thi
 EXIT_S = 15  # how long after the signal every process must be gone (torch elastic's own SIGKILL comes at 30 s)
 START_S = 120  # how long a run may take to get busy, startup of three Python processes on a busy 2-core box included
 NOISE = ("Traceback", "KeyboardInterrupt", "ChildFailedError", "SignalException", "Error executing job", "leaked")
-LAST_SHARD = "k3_weight_shard_loaded rank=0 file=model-00003-of-00003"  # rank 0 is done and waits for rank 1
+LAST_SHARD = (
+    "k3_weight_shard_loaded rank=0 file=model-00001-of-00003"  # rank 0 then waits for rank 1 in that file's agreement
+)
 SIGNALS = [signal.SIGINT, signal.SIGTERM]
 
 

@@ -17,7 +17,7 @@ from k3dist.weights.tp_plan import plan_rank
 from k3dist.weights.twin import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.ranks import expect_ok, run_ranks
-from tests.unit.residency import SUPPORTED, evict, resident, write_synced
+from tests.support.residency import SUPPORTED, evict, resident, write_synced
 
 HOLD_S = 3.0  # rank 1 waits this long before its second file
 

@@ -22,7 +22,7 @@ from k3dist.weights.tp_plan import copy_shard, plan_rank, plan_tensor
 from k3dist.weights.twin import write_checkpoint
 from k3dist.weights.whatif import config_entries
 from tests.support.configs import small_config
-from tests.unit.residency import SUPPORTED, evict, no_readahead, resident, write_synced
+from tests.support.residency import SUPPORTED, evict, no_readahead, resident, write_synced
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_CONFIG = ROOT / "k3dist" / "configs" / "Kimi-Linear-48B-A3B-config.json"

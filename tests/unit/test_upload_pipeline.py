@@ -23,7 +23,7 @@ from k3dist.weights.tp_plan import plan_rank
 from k3dist.weights.transfer import Transfer
 from k3dist.weights.twin import write_checkpoint
 from tests.support.configs import small_config
-from tests.unit.residency import SUPPORTED, evict, resident, write_synced
+from tests.support.residency import SUPPORTED, evict, resident, write_synced
 
 CPU_RANK = Runtime(0, 1, 0, 1, torch.device("cpu"), "gloo", None, 30.0)
 
