@@ -60,6 +60,7 @@ class DecodeStep:
         self._run = self.step
         self._graph = None
         self.warmup_seconds = 0.0
+        self.rows: int | None = None  # eager only: cache rows MLA attends to (engine.py sets it per window)
 
     def buffers(self) -> list[Tensor]:
         return [self.tokens, self.gen, self.out_tokens, self.top_ids, self.top_values]
@@ -86,7 +87,7 @@ class DecodeStep:
         """The static step over every slot."""
         positions = self.cache.positions
         at = positions.clamp(max=self.cache.cap - 1)
-        self.emit(self.model.decode(self.tokens, at), self.slots)
+        self.emit(self.model.decode(self.tokens, at, self.rows), self.slots)
         positions.add_(1)
 
     def warm_up(self) -> None:

@@ -17,6 +17,8 @@ import torch
 from .decode import DecodeStep
 from .faults import Faults
 
+ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -114,7 +116,7 @@ class Engine:
                 continue
             steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in live.values()))
             if steps:
-                self._decode(steps, len(live))
+                self._decode(steps, live)
                 for s in live.values():
                     s.produced += steps
             for slot in self._read(live):
@@ -164,8 +166,11 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode(self, steps: int, live: int) -> None:
+    def _decode(self, steps: int, live: dict[int, "_Live"]) -> None:
         self.stage = "decode"
+        if self.step.kind == "eager":  # no slot of interest gets past this row in the window: attend to no more
+            last = max(len(s.prompt.ids) + s.produced for s in live.values()) + steps
+            self.step.rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
         self.faults.after_load(self.rank, "decode")
         start = time.perf_counter()
         for _ in range(steps):
@@ -173,7 +178,7 @@ class Engine:
         _sync(self.device)
         elapsed = time.perf_counter() - start
         self.timings.decode_seconds += elapsed
-        self.timings.decode_tokens += steps * live
+        self.timings.decode_tokens += steps * len(live)
         self.timings.window_step_seconds.append(elapsed / steps)
 
     def _read(self, live: dict[int, "_Live"]) -> list[int]:

@@ -24,6 +24,7 @@ from .decode import DecodeStep, capture_kind
 from .engine import Completion, Engine
 from .errors import K3Error
 from .kernels.backend import select
+from .kernels.linear import packable
 from .model.build import build_model
 from .model.tp import TPComm
 from .output import Output
@@ -213,6 +214,8 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
     longest = max((len(p.ids) for p in prompts), default=1)
     runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample)
+    kind = capture_kind(s.decode.compile, rt.device)
+    pack = s.run.mode == "generate" and kind == "eager" and packable(dtype, rt.device)
     store = load_weights(
         inv,
         rt,
@@ -223,6 +226,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         s.fault,
         runtime.total,
         s.memory.drop_page_cache,
+        derived_of(cfg, rt, dtype, pack),
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
@@ -233,14 +237,20 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     }
     if s.run.mode == "load":
         return result
-    return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new)
+    return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new, kind, pack)
 
 
-def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new) -> dict:
+def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool) -> int:
+    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice."""
+    return -(-cfg.vocab_size // rt.world) * cfg.hidden_size * dtype.itemsize if pack else 0
+
+
+def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new, kind, pack) -> dict:
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
-    model = build_model(cfg, weights, comm, cache, select(s.kernels.backend, rt.device), s.model.router_weights)
-    step = DecodeStep(model, cache, max_new, mode, capture_kind(s.decode.compile, rt.device))
+    kernels = select(s.kernels.backend, rt.device)
+    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack)
+    step = DecodeStep(model, cache, max_new, mode, kind)
     tokenizer = text.tokenizer if text else None
     eos = tokenizer.eos_ids if tokenizer else tuple(t for t in (cfg.eos_token_id,) if t is not None)
     engine = Engine(step, s.generate.prefill_chunk, s.decode.sync_every, eos, _assembler(tokenizer), s.fault, rt.rank)
@@ -264,6 +274,7 @@ def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new) -> dict:
         "step_ms": t.step_ms(),
         "kernels": model.kernels.name,
         "decode_compile": step.kind,
+        "packed_weights": pack,
         "runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": runtime_peak},
     } | out.paths()
 

@@ -15,9 +15,11 @@ def experts_gathered(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: T
 
     x: [N, D]; ids, weights: [N, k]. Static shapes, no host sync. Returns [N, D] fp32.
     """
-    gate_up = torch.einsum("nkid,nd->nki", w13[ids], x)  # [N, k, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    y = torch.einsum("nkdi,nki->nkd", w2[ids], F.silu(gate) * up)  # [N, k, D]
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [N*k, D, 1]: token n for each of its k experts
+    gate, up = torch.bmm(w13.index_select(0, flat), rows).squeeze(-1).chunk(2, dim=-1)  # [N*k, I] each
+    y = torch.bmm(w2.index_select(0, flat), (F.silu(gate) * up).unsqueeze(-1)).view(N, k, -1)  # [N, k, D]
     return (y.float() * weights.unsqueeze(-1)).sum(1)
 
 
@@ -53,12 +55,38 @@ def experts_grouped(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
     token = order // k
-    offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0)
+    offsets = _group_ends(flat, w13.shape[0])
     gate_up = grouped_mm(x[token], w13, offsets)
     gate, up = gate_up.chunk(2, dim=-1)
     y = grouped_mm(F.silu(gate) * up, w2, offsets)  # [N*k, D]
     out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
+
+
+def experts_sorted(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Decode with more (token, expert) pairs than experts: sort them by expert and run torch._grouped_mm, which takes
+    the group ends as a device tensor (no host sync), so each chosen expert's weights are read once instead of once
+    per token that chose it. Falls back to `experts_gathered` where the build has no grouped GEMM for this dtype."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (w13.shape[-1], w2.shape[-1]))  # the kernel's stride rule
+    usable = hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+    if not (aligned and usable) or torch.compiler.is_compiling():  # its compile-time shape rule wants bf16 only
+        return experts_gathered(x, ids, weights, w13, w2)
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k
+    ends = _group_ends(flat, w13.shape[0]).to(torch.int32)
+    gate, up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+    out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
+
+
+def _group_ends(flat: Tensor, experts: int) -> Tensor:
+    """Where each expert's group ends in the sorted pairs, with a static shape (bincount would size its output from
+    the data: a host sync on CUDA)."""
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return counts.cumsum(0)
 
 
 def experts_loop(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

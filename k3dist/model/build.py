@@ -6,6 +6,7 @@ import torch
 from ..cache import HybridCache
 from ..config import ModelConfig
 from ..kernels.backend import Kernels
+from ..kernels.linear import Linear
 from .decoder import DecoderLayer, K3Model
 from .kda import KDA
 from .mla import MLA
@@ -20,22 +21,32 @@ def build_model(
     cache: HybridCache,
     kernels: Kernels,
     router_weights: str = "unbiased",
+    pack: bool = False,
 ) -> K3Model:
+    """With `pack`, the projections' weights are reordered for oneDNN one at a time (kernels/linear.py) and the
+    plain ones leave `weights`, so at most one weight exists twice at any moment."""
     w = weights.__getitem__
+
+    def lin(name: str):
+        weight = weights.pop(name) if pack else weights[name]
+        if weight.dim() == 3:  # stacked projections (KDA's f_b, g_b): one Linear each
+            return tuple(Linear(part, pack) for part in weight.unbind(0))
+        return Linear(weight, pack)
+
     layers = []
     for spec in cfg.layers:
         p = f"model.layers.{spec.index}."
         attn = p + "self_attn."
         if spec.mixer == "kda":
-            mixer = KDA(w, attn, cfg, comm, kernels, cache.layer("conv", spec.index), cache.layer("state", spec.index))
+            conv, state = cache.layer("conv", spec.index), cache.layer("state", spec.index)
+            mixer = KDA(w, lin, attn, cfg, comm, kernels, conv, state)
         else:
-            mixer = MLA(w, attn, cfg, comm, kernels, cache.layer("latent", spec.index))
+            mixer = MLA(w, lin, attn, cfg, comm, kernels, cache.layer("latent", spec.index))
         if spec.mlp == "dense":
-            mlp = DenseMLP(w, p + "mlp.", comm)
+            mlp = DenseMLP(lin, p + "mlp.", comm, weights["model.embed_tokens.weight"].dtype)
         else:
-            mlp = MoE(w, p + "block_sparse_moe.", cfg, comm, biased=router_weights == "biased")
+            mlp = MoE(w, lin, p + "block_sparse_moe.", cfg, comm, biased=router_weights == "biased")
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
-    return K3Model(
-        cfg, w("model.embed_tokens.weight"), layers, w("model.norm.weight"), w("lm_head.weight"), comm, kernels
-    )
+    head = lin("lm_head.weight")
+    return K3Model(cfg, w("model.embed_tokens.weight"), layers, w("model.norm.weight"), head, comm, kernels)

@@ -25,16 +25,16 @@ class DecoderLayer:
         h = h + self.mixer.prefill(rmsnorm(h, self.norm_in, self.eps).to(dtype), slots, start)
         return h + self.mlp.prefill(rmsnorm(h, self.norm_post, self.eps))
 
-    def decode(self, h: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
+    def decode(self, h: Tensor, positions: Tensor, dtype: torch.dtype, rows: int | None = None) -> Tensor:
         x = rmsnorm(h, self.norm_in, self.eps).to(dtype)
-        h = h + (self.mixer.decode(x) if self.spec.mixer == "kda" else self.mixer.decode(x, positions))
+        h = h + (self.mixer.decode(x) if self.spec.mixer == "kda" else self.mixer.decode(x, positions, rows))
         return h + self.mlp.decode(rmsnorm(h, self.norm_post, self.eps))
 
 
 class K3Model:
     def __init__(self, cfg, embed: Tensor, layers: list[DecoderLayer], norm: Tensor, head: Tensor, comm, kernels):
         self.cfg, self.comm, self.kernels = cfg, comm, kernels
-        self.embed, self.layers, self.norm, self.head = embed, layers, norm, head  # embed/head: [V_local, D]
+        self.embed, self.layers, self.norm, self.head = embed, layers, norm, head  # [V_local, D]; head: a Linear
         self.dtype = embed.dtype
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
@@ -51,7 +51,7 @@ class K3Model:
         return torch.zeros(*tokens.shape, self.cfg.hidden_size, dtype=self.dtype, device=tokens.device)
 
     def _logits(self, h: Tensor) -> Tensor:
-        return F.linear(rmsnorm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype), self.head)
+        return self.head(rmsnorm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype))
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, slots: Tensor, start: int, all_logits: bool = False) -> Tensor:
@@ -65,12 +65,13 @@ class K3Model:
             h = layer.prefill(h, slots, start, self.dtype)
         return self._logits(h if all_logits else h[:, -1])
 
-    def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
         """The static step's model part: tokens [B] at positions [B] (device tensors) -> logits [B, V_local].
 
-        Every shape is fixed by the batch and the cache capacity; nothing is read on the host.
+        Every shape is fixed by the batch and the cache capacity; nothing is read on the host. An eager step may pass
+        `rows`, a bound the host knows on every slot's position, so MLA attends to fewer cache rows.
         """
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer.decode(h, positions, self.dtype)
+            h = layer.decode(h, positions, self.dtype, rows)
         return self._logits(h)

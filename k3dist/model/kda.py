@@ -4,7 +4,6 @@ One fused projection reads the normed input for q, k, v, the two low-rank gate i
 rest to the backend's fused kernel, prefill to the chunked reference. o_proj is row-parallel: one all-reduce.
 """
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.conv import causal_conv_prefill
@@ -13,11 +12,11 @@ from .layers import gated_rmsnorm
 
 
 class KDA:
-    def __init__(self, w, prefix: str, cfg, comm, kernels, conv_state: Tensor, state: Tensor):
-        self.in_proj = w(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b
+    def __init__(self, w, lin, prefix: str, cfg, comm, kernels, conv_state: Tensor, state: Tensor):
+        self.in_proj = lin(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b
         self.conv_w = w(prefix + "conv1d.weight").flatten(2)  # [3, P, K]
-        self.fg_b = w(prefix + "fg_b_proj.weight")  # [2, P, d]: f_b, g_b
-        self.o_proj, self.o_norm = w(prefix + "o_proj.weight"), w(prefix + "o_norm.weight")
+        self.f_b, self.g_b = lin(prefix + "fg_b_proj.weight")  # stacked [2, P, d]: one Linear each
+        self.o_proj, self.o_norm = lin(prefix + "o_proj.weight"), w(prefix + "o_norm.weight")
         self.A_log, self.dt_bias = w(prefix + "A_log").view(-1), w(prefix + "dt_bias")
         self.heads, self.d = self.A_log.numel(), cfg.kda_head_dim
         P = self.heads * self.d
@@ -26,8 +25,8 @@ class KDA:
         self.conv_state, self.state = conv_state, state  # [B, 3, P, K-1], [B, H, d, d] fp32
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        qkv, f_a, g_a, beta_raw = F.linear(x, self.in_proj).split(self.split, dim=-1)
-        return qkv, F.linear(f_a, self.fg_b[0]), beta_raw, F.linear(g_a, self.fg_b[1])
+        qkv, f_a, g_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
+        return qkv, self.f_b(f_a), beta_raw, self.g_b(g_a)
 
     def decode(self, x: Tensor) -> Tensor:
         """x: [B, D] normed, one token per slot. Returns [B, D] fp32, summed over ranks."""
@@ -45,7 +44,7 @@ class KDA:
             self.eps,
             self.state,
         )
-        return self.comm.all_reduce(F.linear(o, self.o_proj).float())
+        return self.comm.all_reduce(self.o_proj(o).float())
 
     def prefill(self, x: Tensor, slots: Tensor, start: int) -> Tensor:
         """x: [n, T, D] normed, continuing slots `slots` [n] (their states hold the first `start` tokens).
@@ -63,4 +62,4 @@ class KDA:
         o = kda_prefill(q.float(), k, v, g, beta_raw.float().sigmoid(), state)  # fp32 q: unrounded into the norm
         self.state.index_copy_(0, slots, state)
         o = gated_rmsnorm(o, gate.view(heads), self.o_norm, self.eps).to(x.dtype).reshape(n, T, -1)
-        return self.comm.all_reduce(F.linear(o, self.o_proj).float())
+        return self.comm.all_reduce(self.o_proj(o).float())

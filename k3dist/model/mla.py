@@ -17,13 +17,13 @@ KEY_BLOCK = 1024  # CPU prefill expands the cached latent this many positions at
 
 
 class MLA:
-    def __init__(self, w, prefix: str, cfg, comm, kernels, latent: Tensor):
-        self.q_kv_a = w(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D]
+    def __init__(self, w, lin, prefix: str, cfg, comm, kernels, latent: Tensor):
+        self.q_kv_a = lin(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D]
         self.kv_norm = w(prefix + "kv_a_layernorm.weight")
         self.wkvb = w(prefix + "kv_b_proj.weight")  # [H * (dn + dv), r]
-        self.o_proj = w(prefix + "o_proj.weight")
+        self.o_proj = lin(prefix + "o_proj.weight")
         self.dn, self.dr, self.dv, self.r = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.heads = self.wkvb.shape[0] // (self.dn + self.dv)
+        self.heads = self.wkvb.shape[0] // (self.dn + self.dv)  # kv_b stays plain: decode uses its per-head views
         per_head = self.wkvb.view(self.heads, self.dn + self.dv, self.r)
         self.w_kb, self.w_vb = per_head[:, : self.dn], per_head[:, self.dn :]  # views: no derived bytes
         self.q_rows = self.heads * (self.dn + self.dr)
@@ -33,19 +33,22 @@ class MLA:
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [..., D] -> q [..., H, dn + dr] and the cache row [..., r + dr] (normed latent, raw k_pe)."""
-        q, ckv = F.linear(x, self.q_kv_a).split((self.q_rows, self.r + self.dr), dim=-1)
+        q, ckv = self.q_kv_a(x).split((self.q_rows, self.r + self.dr), dim=-1)
         row = torch.cat([rmsnorm(ckv[..., : self.r], self.kv_norm, LATENT_EPS), ckv[..., self.r :]], dim=-1)
         return q.unflatten(-1, (self.heads, -1)), row
 
-    def decode(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: [B, D] normed; positions: [B] where each slot's token goes (a device tensor). Returns [B, D] fp32."""
+    def decode(self, x: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
+        """x: [B, D] normed; positions: [B] where each slot's token goes (a device tensor). Returns [B, D] fp32.
+
+        `rows` (eager steps only) bounds the cache rows attended to, when the host knows no slot is past it."""
         B = x.shape[0]
         q, row = self._project(x)
         self.latent.index_put_((torch.arange(B, device=x.device), positions), row.to(self.latent.dtype))
-        q_abs = torch.einsum("bhn,hnr->bhr", q[..., : self.dn], self.w_kb)
-        ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], self.latent, positions + 1, self.scale)
-        o = torch.einsum("bhr,hvr->bhv", ctx, self.w_vb).reshape(B, -1)
-        return self.comm.all_reduce(F.linear(o, self.o_proj).float())
+        q_abs = torch.bmm(q[..., : self.dn].transpose(0, 1), self.w_kb).transpose(0, 1)  # per head: q_nope W_kb
+        latent = self.latent if rows is None else self.latent[:, :rows]
+        ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], latent, positions + 1, self.scale)
+        o = torch.bmm(ctx.transpose(0, 1), self.w_vb.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
+        return self.comm.all_reduce(self.o_proj(o).float())
 
     def _keys(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Cached rows [n, S, r + dr] expanded through kv_b_proj: keys [n, S, H, dn + dr], values [n, S, H, dv]."""
@@ -69,7 +72,7 @@ class MLA:
         else:
             k, v = self._keys(self.latent[slots, : start + T])
             o = mla_prefill(q, k, v, self.scale, past=start)
-        return self.comm.all_reduce(F.linear(o.reshape(n, T, -1), self.o_proj).float())
+        return self.comm.all_reduce(self.o_proj(o.reshape(n, T, -1)).float())
 
     def _blocks(self, slots: Tensor, start: int, T: int):
         """(keys, values, causal) head-major, block by block: the past in KEY_BLOCK pieces, then the chunk itself."""

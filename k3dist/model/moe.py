@@ -6,18 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.moe import experts_gathered, experts_grouped
+from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
 from .layers import swiglu
 
 
 class MoE:
-    def __init__(self, w, prefix: str, cfg, comm, biased: bool = False):
+    def __init__(self, w, lin, prefix: str, cfg, comm, biased: bool = False):
         self.gate = w(prefix + "gate.weight")  # [E, D] fp32
         self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
         self.w13, self.w2 = w(prefix + "experts.w13"), w(prefix + "experts.w2")  # [E, 2I, D], [E, D, I]
         shared = prefix + "shared_experts."
         self.shared = (
-            (w(shared + "gate_up_proj.weight"), w(shared + "down_proj.weight")) if cfg.num_shared_experts else None
+            (lin(shared + "gate_up_proj.weight"), lin(shared + "down_proj.weight")) if cfg.num_shared_experts else None
         )
         self.top_k, self.groups, self.topk_group = cfg.top_k, cfg.num_expert_group, cfg.topk_group
         self.renormalize, self.scale, self.biased = cfg.renormalize, cfg.routed_scaling_factor, biased
@@ -50,18 +50,21 @@ class MoE:
         return self.comm.all_reduce(out).view(shape)
 
     def decode(self, x: Tensor) -> Tensor:
-        return self._forward(x, experts_gathered)
+        """Few (token, expert) pairs: gather the chosen experts' weights; more pairs than experts: sort them and run
+        grouped GEMMs, reading each expert once. The choice depends on the batch only: a static shape either way."""
+        few = x.reshape(-1, x.shape[-1]).shape[0] * self.top_k < self.w13.shape[0]
+        return self._forward(x, experts_gathered if few else experts_sorted)
 
     def prefill(self, x: Tensor) -> Tensor:
         return self._forward(x, experts_grouped)
 
 
 class DenseMLP:
-    def __init__(self, w, prefix: str, comm):
-        self.gate_up, self.down = w(prefix + "gate_up_proj.weight"), w(prefix + "down_proj.weight")
-        self.comm = comm
+    def __init__(self, lin, prefix: str, comm, dtype: torch.dtype):
+        self.gate_up, self.down = lin(prefix + "gate_up_proj.weight"), lin(prefix + "down_proj.weight")
+        self.comm, self.dtype = comm, dtype
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(swiglu(x.to(self.gate_up.dtype), self.gate_up, self.down).float())
+        return self.comm.all_reduce(swiglu(x.to(self.dtype), self.gate_up, self.down).float())
 
     decode = prefill = __call__

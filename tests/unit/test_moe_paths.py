@@ -3,10 +3,10 @@ GEMMs) equal a loop over experts, and MoE's routing honours groups, bias and ren
 
 import pytest
 import torch
-from k3dist.kernels.moe import experts_gathered, experts_grouped, experts_loop
+from k3dist.kernels.moe import experts_gathered, experts_grouped, experts_loop, experts_sorted
 
 
-def _case(N: int, E: int = 12, k: int = 3, D: int = 48, I: int = 20, dtype=torch.float32, seed: int = 0):
+def _case(N: int, E: int = 12, k: int = 3, D: int = 64, I: int = 32, dtype=torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     w13 = (0.1 * torch.randn(E, 2 * I, D, generator=gen)).to(dtype)
     w2 = (0.1 * torch.randn(E, D, I, generator=gen)).to(dtype)
@@ -17,7 +17,9 @@ def _case(N: int, E: int = 12, k: int = 3, D: int = 48, I: int = 20, dtype=torch
 
 
 @pytest.mark.parametrize("N", [1, 3, 8, 64])
-@pytest.mark.parametrize("path", [experts_gathered, experts_grouped], ids=["gathered", "grouped"])
+@pytest.mark.parametrize(
+    "path", [experts_gathered, experts_sorted, experts_grouped], ids=["gathered", "sorted", "grouped"]
+)
 def test_paths_equal_the_expert_loop(N, path):
     x, ids, weights, w13, w2 = _case(N)
     want = experts_loop(x, ids, weights, w13, w2)
@@ -29,6 +31,11 @@ def test_paths_equal_the_expert_loop(N, path):
 def test_grouped_path_with_empty_experts_and_bf16():
     x, ids, weights, w13, w2 = _case(5, E=32, k=2, dtype=torch.bfloat16, seed=3)  # most experts get no token
     want = experts_loop(x, ids, weights, w13, w2)
-    for path in (experts_gathered, experts_grouped):
+    for path in (experts_gathered, experts_sorted, experts_grouped):
         got = path(x, ids, weights, w13, w2)
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_sorted_path_falls_back_where_the_grouped_kernel_cannot_run():
+    x, ids, weights, w13, w2 = _case(6, D=48, I=20)  # 40-byte rows: not the 16-byte strides _grouped_mm needs
+    torch.testing.assert_close(experts_sorted(x, ids, weights, w13, w2), experts_loop(x, ids, weights, w13, w2))
