@@ -116,6 +116,20 @@ def gemv_bandwidth(rows: int, cols: int, device: str = "cpu", repeats: int = 7) 
     return w.numel() * w.element_size() / seconds / 1e9
 
 
+def packed_gemv_bandwidth(rows: int, cols: int, repeats: int = 7) -> float | None:
+    """GB/s of the same GEMV on a oneDNN-prepacked weight (what k3dist's CPU decode uses where oneDNN has bf16
+    kernels, kernels/linear.py); None where packing is not available."""
+    from k3dist.kernels.linear import Linear, packable
+
+    if not packable(torch.bfloat16, torch.device("cpu")):
+        return None
+    w = Linear(torch.randn(rows, cols).to(torch.bfloat16), pack=True)
+    x = torch.randn(1, cols).to(torch.bfloat16)
+    with torch.inference_mode():
+        seconds = _median_seconds(lambda: w(x), "cpu", repeats, 1)
+    return rows * cols * 2 / seconds / 1e9
+
+
 def copy_bandwidth(nbytes: int = 256 * 2**20, device: str = "cpu", repeats: int = 7) -> float:
     """GB/s of a large `copy_` (bytes read + bytes written): the DRAM (or HBM) roofline."""
     src = torch.ones(nbytes // 4, device=device)
