@@ -18,10 +18,14 @@ def causal_conv_prefill(x: Tensor, weight: Tensor, state: Tensor) -> Tensor:
     fresh sequence, overwritten in place with the last K-1 inputs (older history kept when T < K-1).
     Returns [B, T, C] in x's dtype.
     """
-    window = torch.cat([state, x.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
-    state.copy_(window[:, :, -state.shape[-1] :])
-    y = F.conv1d(window.float(), weight.float().unsqueeze(1), groups=weight.shape[0]).to(weight.dtype)  # [B, C, T]
-    return F.silu(y).to(x.dtype).transpose(1, 2).contiguous()
+    K, T = weight.shape[-1], x.shape[1]
+    window = torch.cat([state.transpose(1, 2), x], dim=1).float()  # [B, K-1+T, C], token-major like x
+    state.copy_(window[:, -state.shape[-1] :].transpose(1, 2))
+    w = weight.float().T  # [K, C]
+    y = window[:, :T] * w[0]
+    for tap in range(1, K):  # K multiply-adds over [B, T, C]: torch's grouped conv1d is 5-10x slower at batch > 1
+        y += window[:, tap : tap + T] * w[tap]
+    return F.silu(y.to(weight.dtype)).to(x.dtype)
 
 
 def causal_conv_step(x: Tensor, weight: Tensor, state: Tensor) -> Tensor:
