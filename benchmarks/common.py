@@ -260,5 +260,5 @@ def peer_or_skip(mode: str, make_spec, tmp: Path, timeout: float) -> dict:
 
 def bare_torch_rss() -> int:
     """Peak RSS of a bare interpreter that imported torch: what every process pays before any model byte."""
-    code = "import resource, torch; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    code = "import torch; from k3dist.weights.memory import peak_bytes; print(peak_bytes(torch.device('cpu')))"
     return int(run_group([sys.executable, "-c", code], 120).stdout.split()[-1])

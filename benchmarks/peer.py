@@ -13,6 +13,7 @@ A fresh process per benchmark, so its imports, threads (torch's default: all cor
 """
 
 import json
+import re
 import resource
 import sys
 import time
@@ -42,8 +43,16 @@ def _base(device: str) -> dict:
     return {"transformers": transformers.__version__, "threads": torch.get_num_threads(), "device": device}
 
 
+def _peak_rss() -> int:
+    """This process's own resident peak: VmHWM on Linux (ru_maxrss would carry the parent's size across exec)."""
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+    except (OSError, TypeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def load(spec: dict) -> dict:
-    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731  (KiB on Linux)
+    rss = _peak_rss
     before = rss()
     model, seconds = _load(spec)
     out = _base(spec["device"]) | {"seconds": seconds, "rss_before": before, "peak_rss": rss()}

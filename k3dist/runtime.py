@@ -1,7 +1,8 @@
 """runtime_bytes: the memory a rank needs beyond weights and cache while it generates, computed from shapes.
 
 Terms (each an upper bound of what is alive at once, in bytes):
-- prefill: the activations of one chunk of `prefill_chunk` tokens for every slot at once, the largest of the layer
+- prefill: the activations of one chunk of `prefill_chunk` tokens for every slot at once (one slot at a time on the
+  CPU, as the engine prefills there), the largest of the layer
   kinds (KDA: projections, conv windows, fp32 q/k/v/g, the chunked delta rule's [C, C, d] decay tensor; MLA: the
   latent rows expanded through kv_b_proj back to the start of the longest prompt, attention scores; MoE: tokens
   sorted by expert, their gate/up and down outputs) plus the fp32 residual stream around it;
@@ -19,7 +20,7 @@ from .model.mla import KEY_BLOCK
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
-HOST_ALLOWANCE = 48 * MiB  # what CPU libraries allocate on first use during generation (about 35 MiB measured)
+HOST_ALLOWANCE = 40 * MiB  # what CPU libraries allocate on first use during generation (24-30 MiB measured)
 KDA_CHUNK = 16  # kernels/kda.py's chunk length
 
 
@@ -84,8 +85,9 @@ def runtime_memory(
     device_type: str,
 ) -> RuntimeMemory:
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
-    tokens = batch * min(prefill_chunk, longest_prompt)
-    prefill = _prefill(cfg, world, tokens, batch, longest_prompt, s, cpu=device_type == "cpu")
+    together = batch if device_type == "cuda" else 1  # engine.py prefills one sequence at a time on the CPU
+    tokens = together * min(prefill_chunk, longest_prompt)
+    prefill = _prefill(cfg, world, tokens, together, longest_prompt, s, cpu=device_type == "cpu")
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits

@@ -119,10 +119,15 @@ _EARLIER_PEAK = 0  # the peak before a measuring window reset the counters (star
 
 
 def peak_bytes(device: torch.device) -> int:
-    """This process's peak: torch's peak allocation on CUDA, the peak resident set on CPU."""
+    """This process's peak: torch's peak allocation on CUDA, the peak resident set on CPU.
+
+    On Linux the resident peak is read from /proc/self/status (VmHWM): getrusage's ru_maxrss survives execve, so a
+    rank started from a large parent (a test runner, a notebook) would report the parent's size instead of its own.
+    """
     if device.type == "cuda":
         return max(_EARLIER_PEAK, torch.cuda.max_memory_allocated(device))
-    return max(_EARLIER_PEAK, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+    own = _status_bytes("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return max(_EARLIER_PEAK, own)
 
 
 CPU_RESERVE = 64 * 2**20  # the libraries' own state after a load (tokenizer tables, thread pools): ~36 MiB measured
@@ -138,7 +143,12 @@ def default_reserve(device: torch.device) -> int:
 
 
 def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+    """A size from /proc/self/status (Linux), or 0 where there is none."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
         if line.startswith(key):
             return int(line.split()[1]) * 1024
     return 0

@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bare_rss() -> int:
-    code = "import resource, torch; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    # VmHWM, as the ranks report it: ru_maxrss would carry this test runner's size across the fork and exec
+    code = "import torch, re; print(int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024)"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 

@@ -264,7 +264,7 @@ def test_copy_shard_never_touches_other_ranks_bytes(tmp_path):
 
 
 def _design_table(cfg) -> dict[str, str]:
-    """DESIGN.md's table, restated name by name for a config: canonical name -> axis name."""
+    """The TP plan table (docs/model.md), restated name by name for a config: canonical name -> axis name."""
     out = {"model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab", "model.norm.weight": "replicated"}
     kda = {
         **dict.fromkeys(["q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d"], "column"),
