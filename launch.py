@@ -138,16 +138,20 @@ def main(cfg: DictConfig) -> None:
         elif under_torchrun() or nproc == 1:
             from torch.distributed.elastic.multiprocessing.errors import record
 
-            from k3dist.job import run_rank
+            from k3dist.job import run_or_exit
 
             signals.as_rank(announce=rank_zero())  # this process is the rank: it ends even mid-collective
-            record(run_rank)(job)
+            record(run_or_exit)(job)
         else:
             spawn(job, nproc)
     except K3Error as exc:
         from k3dist.job import exit_with_error
 
         exit_with_error(exc)
+    except Exception as exc:  # noqa: BLE001 - the launcher's own failure: one line too, never a traceback
+        from k3dist.job import exit_with_error, unexpected
+
+        exit_with_error(unexpected(exc))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Everything downstream (inventory, TP plan, model, cache) reads these fields, nev
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,8 @@ def _get(raw: dict, source: str, *names, default=KeyError, kind=int):
                 raise K3Error(f"{source}: field {name}={value!r} must be {kind.__name__}")
             if kind is int and value < 0:
                 raise K3Error(f"{source}: field {name}={value} must not be negative")
+            if kind is float and not (math.isfinite(value) and value > 0):  # eps and scales: NaN logits otherwise
+                raise K3Error(f"{source}: field {name}={value} must be a finite number > 0")
             return kind(value) if kind is float else value
     if default is KeyError:
         raise K3Error(f"{source}: required field {names[0]} is missing")
@@ -248,7 +251,9 @@ def load_config(path: str | Path) -> ModelConfig:
         raise K3Error(f"{path}: config.json not found")
     try:
         raw = json.loads(path.read_text())
-    except (ValueError, RecursionError, OSError) as exc:  # JSON, UTF-8, nesting depth, unreadable
+    except OSError as exc:
+        raise K3Error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSON, UTF-8, nesting depth
         raise K3Error(f"{path}: not valid JSON ({exc})") from None
     return parse_config(raw, str(path))
 

@@ -7,6 +7,7 @@ budget, and gives each freed slot the next request at once (reset, prefilled alo
 length, while the other slots wait). Nothing is ever padded: a prompt only ever touches its own slot's state.
 """
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decode import DecodeStep
+from .errors import K3Error
 from .faults import Faults
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
@@ -221,6 +223,12 @@ class Engine:
         n = len(s.out.tokens)
         ids = self.step.top_ids[slot, :n].tolist()
         values = self.step.top_values[slot, :n].tolist()
+        bad = next(((t, v) for t, row in enumerate(values) for v in row if not math.isfinite(v)), None)
+        if bad is not None:  # NaN or inf weights (or config numbers) make garbage tokens, never a result
+            raise K3Error(
+                f"logit {bad[1]} at generated token {bad[0]} of request {s.out.id!r}: the checkpoint's weights "
+                "hold NaN/inf or overflow in this dtype"
+            )
         s.out.top_logits = [[[i, v] for i, v in zip(a, b, strict=True)] for a, b in zip(ids, values, strict=True)]
         if s.assembler is not None:
             if s.out.finish_reason != "stop" or s.out.tokens[-1] in self.eos:

@@ -22,7 +22,7 @@ class Faults:
     kill_at: int | None = None  # the rank SIGKILLs itself at the Nth tensor
     hang_at: int | None = None  # the rank stops responding at the Nth tensor
     delay_s: float | None = None  # the fault waits this long first, so peers already wait on the rank in the agreement
-    raise_in: str | None = None  # "prefill" or "decode": the rank raises there, after the load
+    raise_in: str | None = None  # "prefill", "decode" (after the load) or "result" (rank 0 writing result.json)
     read_fail_at: int | None = None  # a reader thread fails (EIO) reading the Nth tensor
     hold_at_file: int | None = None  # the rank waits delay_s before reading the Nth file (0-based, in upload order)
     free_drop: int | None = None  # the rank's free memory reads this many bytes lower during the upload ...
@@ -66,6 +66,6 @@ class Faults:
         return free
 
     def after_load(self, rank: int, stage: str) -> None:
-        """Called by the engine in each prefill and decode window."""
+        """Called by the engine in each prefill and decode window, and by rank 0 before it writes result.json."""
         if self.mine(rank) and self.raise_in == stage:
             raise RuntimeError(f"injected failure in {stage} (fault.raise_in={stage})")

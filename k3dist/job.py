@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,7 +28,8 @@ from .kernels.backend import select
 from .kernels.linear import packable
 from .model.build import build_model
 from .model.tp import TPComm
-from .output import Output
+from .outfiles import atomic_write
+from .output import Output, check_targets
 from .prompts import TextTools, build_prompts
 from .runtime import runtime_memory
 from .sampling import SamplingMode
@@ -102,7 +104,8 @@ def model_config(s: Settings) -> ModelConfig:
         return load_config(s.model.config_file)
     model_dir = Path(s.model.path)
     if not model_dir.is_dir():
-        raise K3Error(f"model.path={s.model.path}: not a directory")
+        why = "not a directory" if model_dir.exists() else "does not exist"
+        raise K3Error(f"model.path={s.model.path}: {why}")
     inside(model_dir, "config.json", "model.path")
     return load_config(model_dir / "config.json")
 
@@ -112,6 +115,7 @@ def run_rank(job: dict) -> dict | None:
     s = parse(job)
     rt = dist.init(s.dist.backend, s.dist.device, s.dist.timeout_s, s.dist.collective_timeout_s)
     setup_logging(rt.rank)
+    staged("outputs", rt, lambda: check_targets(s) if rt.is_main else None)  # not after a whole generation
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
         return_freed_memory()
@@ -120,6 +124,7 @@ def run_rank(job: dict) -> dict | None:
     if rt.is_main:
         result["peak_bytes"] = memory[0]["peak_bytes"]  # rank 0's peak (RSS on CPU, allocation on CUDA)
         result["memory"] = memory  # every rank's measured peaks, beside the plan's figures
+        s.fault.after_load(rt.rank, "result")  # tests: a failure outside every agreed stage
         write_result(result, s.out)
         print_summary(result)
     dist.shutdown()  # only on success: tearing down a group whose peer failed can block; exiting frees it all
@@ -288,11 +293,7 @@ def _assembler(tokenizer):
 
 
 def write_result(result: dict, out: str | None) -> None:
-    path = Path(out or "result.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    atomic_write(Path(out or "result.json"), json.dumps(result, indent=1))
 
 
 def exit_with_error(exc: K3Error) -> NoReturn:
@@ -314,7 +315,27 @@ def exit_with_error(exc: K3Error) -> NoReturn:
 def rank_entry(job: dict) -> None:
     """Entry point of a rank spawned by launch.py (which prints the line if a signal ends the run)."""
     signals.as_rank(announce=False)
+    run_or_exit(job)
+
+
+def run_or_exit(job: dict) -> dict | None:
+    """run_rank, ending the process with one `error:` line on any failure: a user error as it is, anything else
+    (a bug, an I/O fault outside the agreed stages) named with its type, message and place."""
     try:
-        run_rank(job)
+        return run_rank(job)
     except K3Error as exc:
         exit_with_error(exc)
+    except Exception as exc:  # noqa: BLE001 - a rank never ends with a bare traceback or, spawned, in silence
+        exit_with_error(unexpected(exc))
+
+
+def unexpected(exc: Exception) -> K3Error:
+    """An exception nobody turned into a K3Error, as one line; K3DIST_TRACEBACK=1 also prints its traceback."""
+    if os.environ.get("K3DIST_TRACEBACK"):
+        traceback.print_exception(exc)
+    rt = dist.current()
+    rank = rt.rank if rt is not None else os.environ.get("RANK", "0")
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+    name = type(exc).__name__
+    return K3Error(f"rank {rank}: unexpected {name}: {exc}{where} (K3DIST_TRACEBACK=1 shows the traceback)")

@@ -8,15 +8,33 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .engine import Completion, Engine, Prompt
+from .outfiles import check_writable
+
+
+def result_path(s) -> Path:
+    return Path(s.out or "result.json")
+
+
+def outputs_path(s) -> Path | None:
+    """outputs.jsonl of a prompts file: generate.outputs, or beside result.json; None without a prompts file."""
+    g = s.generate
+    if g.prompts is None:
+        return None
+    return Path(g.outputs) if g.outputs else result_path(s).parent / "outputs.jsonl"
+
+
+def check_targets(s) -> None:
+    """Rank 0, before anything is loaded: every file it will write can be written (outfiles.check_writable)."""
+    check_writable(result_path(s), "out")
+    if outputs_path(s) is not None:
+        check_writable(outputs_path(s), "generate.outputs")
 
 
 class Output:
     def __init__(self, s, rt, prompts: list[Prompt], engine: Engine):
         self.s, self.prompts, self.main = s, prompts, rt.is_main
         g = s.generate
-        self.outputs = None
-        if g.prompts is not None:
-            self.outputs = Path(g.outputs) if g.outputs else Path(s.out or "result.json").parent / "outputs.jsonl"
+        self.outputs = outputs_path(s)
         stream = g.stream == "on" or (g.stream == "auto" and sys.stdout.isatty())
         self.streaming = self.main and stream and len(prompts) == 1
         self.bar = None

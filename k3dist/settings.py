@@ -4,6 +4,7 @@ The job crosses process boundaries as a plain dict (spawned ranks); `parse` chec
 and turns a bad one into one `error:` line naming the key.
 """
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -122,11 +123,13 @@ class _Section:
             self.fail(key, f"must be an integer >= {low}")
         return value
 
-    def number(self, key: str, low: float = 0.0, high: float | None = None) -> float:
+    def number(self, key: str, low: float = 0.0, high: float | None = None, open_low: bool = False) -> float:
+        """A finite number in [low, high] ((low, high] with open_low): NaN and infinity are refused too."""
         value = self.values.get(key)
-        bad = not isinstance(value, (int, float)) or isinstance(value, bool) or value < low
-        if bad or (high is not None and value > high):
-            self.fail(key, f"must be a number in [{low}, {high if high is not None else 'inf'}]")
+        bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+        if bad or value < low or (open_low and value == low) or (high is not None and value > high):
+            bounds = f"{'(' if open_low else '['}{low}, {high if high is not None else 'inf)'}"
+            self.fail(key, f"must be a finite number in {bounds}{']' if high is not None else ''}")
         return float(value)
 
     def choice(self, key: str, choices) -> str:
@@ -230,7 +233,7 @@ def parse(job: dict) -> Settings:
             max_new_tokens=gen.integer("max_new_tokens", 0),
             stop=_stop(gen),
             temperature=gen.number("temperature"),
-            top_p=gen.number("top_p", 0.0, 1.0),
+            top_p=gen.number("top_p", 0.0, 1.0, open_low=True),  # as a request's own top_p (text/requests.py)
             top_k=gen.integer("top_k"),
             seed=gen.integer("seed"),
             stream=gen.choice("stream", ("auto", "on", "off")),

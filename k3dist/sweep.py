@@ -10,7 +10,6 @@ set on cpu and torch's peak allocation on cuda.
 import csv
 import io
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -20,8 +19,8 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import dist, signals
-from .errors import K3Error
-from .job import exit_with_error, run_rank
+from .job import run_or_exit
+from .outfiles import atomic_write
 from .units import fmt_bytes, parse_bytes
 from .weights.memory import peak_bytes
 
@@ -36,10 +35,7 @@ def point_rank(job: dict) -> int:
     """One rank of a sweep point; returns its peak memory. A user error also lands in torch elastic's error file
     (exit_with_error), where the launcher reads it back for the point's record."""
     signals.as_rank(announce=False)
-    try:
-        run_rank(job)
-    except K3Error as exc:
-        exit_with_error(exc)
+    run_or_exit(job)
     return peak_bytes(dist.current().device)
 
 
@@ -48,9 +44,7 @@ def write_point(
 ) -> None:
     """The point's record, whole or not at all: an interrupt may end the sweep (and summarize it) mid-write."""
     record = {"num": num, "overrides": overrides, "out": str(Path(out).resolve()), "peak_bytes": peaks, "error": error}
-    tmp = job_dir / f"{POINT}.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, job_dir / POINT)
+    atomic_write(job_dir / POINT, json.dumps(record, indent=1))
 
 
 def tightest(pairs: list[tuple[int, int]]) -> tuple[int, int]:
@@ -137,7 +131,7 @@ class SweepSummary(Callback):
         writer = csv.DictWriter(text, fieldnames=["num", *keys, *FIELDS], lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        (sweep_dir / "summary.csv").write_text(text.getvalue())
+        atomic_write(sweep_dir / "summary.csv", text.getvalue())
         table = markdown(rows, keys)
-        (sweep_dir / "summary.md").write_text(table)
+        atomic_write(sweep_dir / "summary.md", table)
         print(f"k3dist sweep: {len(rows)} points ({sweep_dir}/summary.csv, summary.md)\n{table}", end="")

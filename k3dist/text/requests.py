@@ -5,12 +5,11 @@ Results go out with write_jsonl, atomically, so a reader never sees half a file.
 
 import json
 import math
-import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import K3Error
+from ..outfiles import atomic_write
 from .chat import messages_problem
 
 INPUTS = ("prompt", "messages", "ids")
@@ -156,17 +155,5 @@ def _no_constant(name: str):
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    """Write one JSON object per line to `path` atomically: a temp file in the same dir, fsync, then os.replace."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the mode a plain open gives, umask applied
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write one JSON object per line to `path`, whole or not at all (outfiles.atomic_write)."""
+    atomic_write(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))

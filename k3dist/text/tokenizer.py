@@ -15,6 +15,7 @@ from .kimi_bpe import KimiTiktoken
 
 RANKS_FILE, JSON_FILE = "tiktoken.model", "tokenizer.json"
 TOKENIZER_CONFIG, GENERATION_CONFIG, MODEL_CONFIG = "tokenizer_config.json", "generation_config.json", "config.json"
+MAX_TOKEN_ID = 2**31  # token ids are int32 in the tokenizers' own tables
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 END_OF_TEXT = "[EOT]"
 
@@ -129,6 +130,8 @@ def added_tokens(tok_config: dict, source: Path | None) -> dict[int, str]:
         content = entry.get("content") if isinstance(entry, dict) else entry
         if not key.isdigit() or not isinstance(content, str) or not content:
             raise K3Error(f"{source}: added_tokens_decoder entry {key!r}: {entry!r} is not an id with a 'content' text")
+        if int(key) >= MAX_TOKEN_ID:
+            raise K3Error(f"{source}: added_tokens_decoder id {key} is beyond any vocabulary (ids must be < 2**31)")
         names[int(key)] = content
     return names
 

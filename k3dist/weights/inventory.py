@@ -61,7 +61,10 @@ def inside(model_dir: Path, name: str, what: str) -> Path:
     if outside:
         raise K3Error(f"{path}: {what} resolves to {real}, outside the model dir {model_dir}")
     if not exists:
-        raise K3Error(f"{path}: {what} names a file that does not exist")
+        kind = "a file that does not exist"
+        if real.exists():
+            kind = "a directory, not a file" if real.is_dir() else "something that is not a regular file"
+        raise K3Error(f"{path}: {what} names {kind}")
     return path
 
 
@@ -72,7 +75,9 @@ def _index_map(model_dir: Path) -> dict[str, str] | None:
     inside(model_dir, INDEX, "the index")
     try:
         raw = json.loads(path.read_text())
-    except (ValueError, RecursionError, OSError) as exc:  # JSON, UTF-8, nesting depth, unreadable
+    except OSError as exc:
+        raise K3Error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSON, UTF-8, nesting depth
         raise K3Error(f"{path}: not valid JSON ({exc})") from None
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -190,7 +195,7 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         except SafetensorError as exc:
             raise K3Error(f"{path}: not a valid safetensors file: {_header_problem(path, size) or exc}") from None
         except OSError as exc:
-            raise K3Error(f"{path}: cannot read ({exc})") from None
+            raise K3Error(f"{path}: cannot read ({exc.strerror or exc})") from None
         digests[name] = header_digest(path, size)
     _check(model_dir, cfg, found, index)
     ordered = {n: found[n] for n in expected_tensors(cfg)}

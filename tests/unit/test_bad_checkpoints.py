@@ -371,6 +371,14 @@ def _config_bad_float(d, _):
     return [str(d / "config.json"), "field rms_norm_eps='1e-5' must be float"]
 
 
+def _config_float_value(key, value):
+    def edit(d, _):
+        edit_config(d, lambda raw: raw.update({key: value}))  # json writes NaN/Infinity, and reads them back
+        return [str(d / "config.json"), f"field {key}={value} must be a finite number > 0"]
+
+    return edit
+
+
 def _config_model_type(value):
     def mutate(d, _):
         edit_config(d, lambda raw: raw.update(model_type=value))
@@ -426,6 +434,9 @@ CASES = [
     Case("config-missing-field", _config_missing_field, "config"),
     Case("config-field-type", _config_bad_type, "config"),
     Case("config-float-field-type", _config_bad_float, "config"),
+    Case("config-eps-nan", _config_float_value("rms_norm_eps", float("nan")), "config"),
+    Case("config-eps-negative", _config_float_value("rms_norm_eps", -1.0), "config"),
+    Case("config-scale-infinite", _config_float_value("routed_scaling_factor", float("inf")), "config"),
     Case("config-model-type", _config_model_type("llama"), "config"),
     Case("config-model-type-list", _config_model_type(["kimi_linear"]), "config"),
     Case("config-layers-not-ints", _config_layers_not_ints, "config"),

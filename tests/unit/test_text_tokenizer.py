@@ -187,6 +187,9 @@ def test_bad_tokenizer_files(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"3": {"content": "[X]"}}}')
     with pytest.raises(K3Error, match=r"tokenizer_config.json: added token id 3 .* is a base token id"):
         load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"100000000000": {"content": "[F]"}}}')
+    with pytest.raises(K3Error, match=r"tokenizer_config.json: added_tokens_decoder id 100000000000 is beyond"):
+        load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").unlink()
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": "[EOS]"}')
     with pytest.raises(K3Error, match=r"generation_config.json: eos_token_id must be a token id or a list"):
