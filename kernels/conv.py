@@ -20,7 +20,7 @@ def causal_conv_prefill(x: Tensor, weight: Tensor, state: Tensor) -> Tensor:
     """
     K, T = weight.shape[-1], x.shape[1]
     window = torch.cat([state.transpose(1, 2), x], dim=1).float()  # [B, K-1+T, C], token-major like x
-    state.copy_(window[:, -state.shape[-1] :].transpose(1, 2))
+    state.copy_(window[:, window.shape[1] - state.shape[-1] :].transpose(1, 2))  # K == 1: no history at all
     w = weight.float().T  # [K, C]
     y = window[:, :T] * w[0]
     for tap in range(1, K):  # K multiply-adds over [B, T, C]: torch's grouped conv1d is 5-10x slower at batch > 1

@@ -122,3 +122,19 @@ def test_nan_weights_end_the_run_with_a_line_not_garbage(ckpt, tmp_path):
     lines = error_lines(text)
     assert rc == 1 and len(lines) == 1 and "logit nan at generated token 0" in lines[0], text
     assert not out.exists()
+
+
+def test_outputs_in_a_folder_not_yet_there_are_written(ckpt, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"ids": [1, 2, 3]}) + "\n" + json.dumps({"ids": [4, 5]}) + "\n")
+    outputs = tmp_path / "new" / "deeper" / "out.jsonl"
+    rc, text = launch(tmp_path, f"model.path={ckpt}", f"generate.prompts={requests}", f"generate.outputs={outputs}")
+    assert rc == 0, text
+    assert [json.loads(line)["prompt_tokens"] for line in outputs.read_text().splitlines()] == [3, 2]
+
+
+def test_compiled_sampling_on_the_cpu_is_refused_up_front(ckpt, tmp_path):
+    rc, text = launch(tmp_path, f"model.path={ckpt}", "decode.compile=on", "generate.temperature=0.8")
+    lines = error_lines(text)
+    assert rc == 1 and len(lines) == 1 and "decode.compile=on with sampling" in lines[0], text
+    assert "k3_weight_plan" not in text

@@ -193,3 +193,12 @@ def test_mla_prefill_matches_naive_causal_softmax(past):
     got = mla.mla_prefill(q, k, v, dqk**-0.5, past=past)
     assert got.shape == (B, T, H, dv)
     _assert_rel(got, _naive_causal_attention(q, k, v, dqk**-0.5, past), 1e-5)
+
+
+def test_conv_prefill_with_kernel_size_one_keeps_no_history():
+    """short_conv_kernel_size=1: the conv is a per-channel scale, the state is empty, chunks change nothing."""
+    from k3dist.kernels.conv import causal_conv_prefill
+
+    x, w = torch.randn(2, 5, 8), torch.randn(8, 1)
+    state = torch.zeros(2, 8, 0)
+    torch.testing.assert_close(causal_conv_prefill(x, w, state), torch.nn.functional.silu(x * w[:, 0]))
