@@ -20,16 +20,22 @@ from .sampling import SamplingMode, choose_tokens
 TOP = 5  # top logits kept per generated token (result.json's top_logits)
 
 
-def capture_kind(setting: str, device: torch.device) -> str:
+def capture_kind(setting: str, device: torch.device, sample: bool = False) -> str:
     """decode.compile -> how the step runs: 'graph' (CUDA graph), 'compile' (torch.compile) or 'eager'.
 
     auto is the CUDA graph on CUDA and eager on CPU, where benchmarks/decode.py measured torch.compile's step no
-    faster than eager for the default run and its one-time compile costs tens of seconds (README.md).
+    faster than eager for the default run and its one-time compile costs tens of seconds (README.md). A compiled
+    CPU step that samples is refused: torch inductor's CPU code for the sampler's integer hash hangs or aborts.
     """
     if setting == "off":
         return "eager"
     if device.type == "cuda":
         return "graph"
+    if setting == "on" and sample:
+        raise K3Error(
+            "decode.compile=on with sampling (temperature > 0) is refused on the CPU: torch inductor's CPU code for "
+            "the sampler's integer hash hangs or aborts; use decode.compile=auto (eager) or greedy decoding"
+        )
     return "compile" if setting == "on" else "eager"
 
 

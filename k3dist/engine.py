@@ -22,6 +22,13 @@ from .faults import Faults
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
 
 
+def prefills_together(device_type: str) -> bool:
+    """Whether same-length prompts are prefilled as one batch (CUDA: bigger GEMMs) or one sequence at a time (CPU:
+    a batch gains no arithmetic efficiency there and its chunk activations fall out of cache; benchmarks/prefill.py
+    measured four 2048-token prompts at 4.2-9x one when prefilled together). runtime.py sizes prefill by it."""
+    return device_type == "cuda"
+
+
 @dataclass(frozen=True)
 class Prompt:
     """A request made ready for the engine: token ids and its own budget, sampling and stops."""
@@ -131,21 +138,18 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     def _admit(self, admitted: list[tuple[int, int, Prompt]]) -> dict[int, "_Live"]:
-        """Reset the slots, prefill their prompts, emit each first token.
-
-        On CUDA same-length prompts are prefilled together (bigger GEMMs); on the CPU one at a time, where a batch
-        gains no arithmetic efficiency and its chunk activations fall out of cache (benchmarks/prefill.py: four
-        2048-token prompts took 4.2-9x one when prefilled together)."""
+        """Reset the slots, prefill their prompts (same-length ones together where `prefills_together`), emit each
+        first token."""
         self.stage = "prefill"
         self.faults.after_load(self.rank, "prefill")
         _sync(self.device)
         start = time.perf_counter()
-        groups: dict[tuple, list[tuple[int, int, Prompt]]] = {}
-        for item in admitted:
-            key = (len(item[2].ids),) if self.device.type == "cuda" else (len(item[2].ids), item[0])
-            groups.setdefault(key, []).append(item)
+        together = prefills_together(self.device.type)
+        groups: dict[tuple[int, int | None], list[tuple[int, int, Prompt]]] = {}
+        for item in admitted:  # keyed by (length, slot), the slot left out where prompts go together
+            groups.setdefault((len(item[2].ids), None if together else item[0]), []).append(item)
         with torch.inference_mode():
-            for (length, *_), items in groups.items():
+            for (length, _), items in groups.items():
                 slots = [slot for slot, _, _ in items]
                 self._reset(items)
                 rows = torch.tensor(slots, device=self.device)

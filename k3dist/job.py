@@ -219,12 +219,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
     longest = max((len(p.ids) for p in prompts), default=1)
     runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample)
-    kind = capture_kind(s.decode.compile, rt.device)
-    if kind == "compile" and mode.sample:  # every rank decides this alike, before anything is loaded
-        raise K3Error(
-            "decode.compile=on with sampling (temperature > 0) is refused on the CPU: torch inductor's CPU code for "
-            "the sampler's integer hash hangs or aborts; use decode.compile=auto (eager) or greedy decoding"
-        )
+    kind = capture_kind(s.decode.compile, rt.device, mode.sample)  # every rank alike, before anything is loaded
     pack = s.run.mode == "generate" and kind == "eager" and packable(dtype, rt.device)
     store = load_weights(
         inv,

@@ -26,8 +26,9 @@ def outputs_path(s) -> Path | None:
 def check_targets(s) -> None:
     """Rank 0, before anything is loaded: every file it will write can be written (outfiles.check_writable)."""
     check_writable(result_path(s), "out")
-    if outputs_path(s) is not None:
-        check_writable(outputs_path(s), "generate.outputs")
+    outputs = outputs_path(s)
+    if outputs is not None:
+        check_writable(outputs, "generate.outputs")
 
 
 class Output:

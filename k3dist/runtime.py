@@ -16,6 +16,7 @@ Terms (each an upper bound of what is alive at once, in bytes):
 from dataclasses import asdict, dataclass
 
 from .config import ModelConfig
+from .engine import prefills_together
 from .model.mla import KEY_BLOCK
 
 MiB = 2**20
@@ -85,7 +86,7 @@ def runtime_memory(
     device_type: str,
 ) -> RuntimeMemory:
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
-    together = batch if device_type == "cuda" else 1  # engine.py prefills one sequence at a time on the CPU
+    together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
     prefill = _prefill(cfg, world, tokens, together, longest_prompt, s, cpu=device_type == "cpu")
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
