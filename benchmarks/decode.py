@@ -18,6 +18,7 @@ measured here: torch's bf16 GEMV over a matrix the shape of the rank's LM-head s
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +70,59 @@ def bandwidths(cfg, worlds: list[int], device: str, cores: int) -> dict[int, dic
     return out
 
 
+def k3_point(args, w: int, c: str, b: int, out: Path) -> dict:
+    """One `python launch.py` decode run of the twin: its result.json, or {"error": ...}."""
+    overrides = [
+        f"dist.nproc={w}",
+        f"dist.device={args.device}",
+        f"decode.compile={c}",
+        "model.dtype=bfloat16",
+        "generate.prompt=null",
+        f"generate.prompt_len={args.prompt_len}",
+        f"generate.batch={b}",
+        f"generate.max_new_tokens={args.max_new_tokens}",
+    ]
+    try:
+        r = common.k3dist(overrides, out, args.timeout)
+    except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
+        print(f"  k3dist world {w} compile {c} batch {b}: {common.short_error(exc)}", flush=True)
+        return {"error": common.short_error(exc)}
+    print(
+        f"  k3dist world {w} compile {c} ({r['decode_compile']}) batch {b}: {r['decode_tokens_per_second']:.2f} "
+        f"tok/s, warm-up {r['warmup_seconds']:.1f} s, wall {r['wall']:.1f} s",
+        flush=True,
+    )
+    return r
+
+
+def rate(run: dict | None) -> float | None:
+    return run.get("decode_tokens_per_second") if run else None
+
+
+def representative(rs: list[dict]) -> dict:
+    """Of one point's repeats: the run with the median tok/s (or the first failure), every repeat's tok/s beside."""
+    if bad := [r for r in rs if "error" in r]:
+        return bad[0]
+    ordered = sorted(rs, key=rate)
+    return ordered[len(ordered) // 2] | {"repeat_tok_s": [rate(r) for r in rs]}
+
+
+def median_peer(peers: list[dict]) -> dict:
+    """The peer's repeats folded into one: per batch, the run with the median tok/s, every repeat's tok/s beside."""
+    out = next(x for x in peers if x.get("runs")) | {"runs": {}}
+    for b in {b for x in peers for b in x.get("runs", {})}:
+        out["runs"][b] = representative([x["runs"][b] for x in peers if b in x.get("runs", {})])
+    return out
+
+
+def paired_ratio(mine: list[dict], peers: list[dict], b: int) -> tuple[float, list[float]] | None:
+    """k3dist tok/s over the peer's of the same repeat (the two ran back to back): the median, and each one."""
+    ratios = [
+        rate(r) / rate(x["runs"][str(b)]) for r, x in zip(mine, peers, strict=True) if rate(r) and str(b) in x["runs"]
+    ]
+    return (statistics.median(ratios), ratios) if ratios else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -77,6 +131,7 @@ def main() -> int:
     ap.add_argument("--compile", nargs="+", choices=["auto", "on", "off"], help="decode.compile values (cpu: auto on)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="k3dist's points then the peer, this many times (medians)")
     common.add_output_args(ap)
     args = ap.parse_args()
     args.out_md = args.out_md or common.RESULTS / ("decode.md" if args.device == "cpu" else "decode-cuda.md")
@@ -102,45 +157,32 @@ def main() -> int:
     position = args.prompt_len + max(args.max_new_tokens - 2, 0) / 2  # mean position a decode step reads up to
     mismatches = []
 
-    k3: dict[tuple, dict] = {}
-    for w in args.worlds:
-        mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16)
-        for c in args.compile:
-            for b in args.batches:
-                overrides = [
-                    f"dist.nproc={w}",
-                    f"dist.device={args.device}",
-                    f"decode.compile={c}",
-                    "model.dtype=bfloat16",
-                    "generate.prompt=null",
-                    f"generate.prompt_len={args.prompt_len}",
-                    f"generate.batch={b}",
-                    f"generate.max_new_tokens={args.max_new_tokens}",
-                ]
-                try:
-                    r = common.k3dist(overrides, tmp / f"w{w}-{c}-b{b}.json", args.timeout)
-                except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
-                    k3[w, c, b] = {"error": common.short_error(exc)}
-                    print(f"  k3dist world {w} compile {c} batch {b}: {k3[w, c, b]['error']}", flush=True)
-                    continue
-                if r["model_dir"] != str(twin) or r.pop("prompt") != seeded_ids(b, args.prompt_len, cfg.vocab_size, 0):
-                    raise RuntimeError(f"k3dist ran {r['model_dir']} on other prompts than {twin} and seeded_ids")
-                mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16, r["plan"])
-                k3[w, c, b] = r
-                common.save_partial(args, k3)
-                print(
-                    f"  k3dist world {w} compile {c} ({r['decode_compile']}) batch {b}: "
-                    f"{r['decode_tokens_per_second']:.2f} tok/s, warm-up {r['warmup_seconds']:.1f} s, "
-                    f"wall {r['wall']:.1f} s",
-                    flush=True,
-                )
-
     prompts = {str(b): seeded_ids(b, args.prompt_len, cfg.vocab_size, 0) for b in args.batches}
     spec = {"model_dir": str(twin), "device": args.device, "prompts": prompts, "max_new_tokens": args.max_new_tokens}
-    peer = common.peer_or_skip("decode", lambda: spec, tmp, args.timeout * len(args.batches))
+    runs: dict[tuple, list[dict]] = {}  # (world, compile, batch) -> one result per repeat
+    peers: list[dict] = []
+    for rep in range(args.repeats):  # k3dist's points, then the peer: repeats interleave the two sides in time
+        for w in args.worlds:
+            if rep == 0:
+                mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16)
+            for c in args.compile:
+                for b in args.batches:
+                    r = k3_point(args, w, c, b, tmp / f"r{rep}-w{w}-{c}-b{b}.json")
+                    if "error" not in r:
+                        if r["model_dir"] != str(twin) or r.pop("prompt") != prompts[str(b)]:
+                            raise RuntimeError(
+                                f"k3dist ran {r['model_dir']} on other prompts than {twin} and seeded_ids"
+                            )
+                        if rep == 0:
+                            mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16, r["plan"])
+                    runs.setdefault((w, c, b), []).append(r)
+                    common.save_partial(args, runs)
+        peers.append(common.peer_or_skip("decode", lambda: spec, tmp, args.timeout * len(args.batches)))
+    k3 = {key: representative(rs) for key, rs in runs.items()}
+    peer = median_peer(peers) if any(x.get("runs") for x in peers) else peers[0]
 
     head = ["system", "world", "threads/rank", "compile", "batch", "tok/s", "step p50 ms", "step p90 ms", "warm-up s"]
-    head += ["tok/s / peer", "greedy = peer"]
+    head += ["tok/s / peer", "per repeat", "greedy = peer"]
     rows, roof_rows, data_rows = [], [], []
     roof_head = ["system", "world", "compile", "active MB/step", "achieved GB/s", "GEMV GB/s", "kernel roofline tok/s"]
     roof_head += ["% of kernel roofline", "prepacked GEMV GB/s", "% of prepacked roofline"]
@@ -178,9 +220,10 @@ def main() -> int:
                 r = k3[w, c, b]
                 threads = str(max(1, cores // w)) if args.device == "cpu" else "-"
                 if "error" in r:
-                    rows.append(["k3dist", str(w), threads, c, str(b), r["error"], *[""] * 5])
+                    rows.append(["k3dist", str(w), threads, c, str(b), r["error"], *[""] * 6])
                     continue
                 tok_s = r["decode_tokens_per_second"]
+                ratio = paired_ratio(runs[w, c, b], peers, b)
                 rows.append(
                     [
                         "k3dist",
@@ -192,7 +235,8 @@ def main() -> int:
                         f"{r['step_ms']['p50']:.1f}",
                         f"{r['step_ms']['p90']:.1f}",
                         f"{r['warmup_seconds']:.1f}",
-                        f"{tok_s / p['decode_tokens_per_second']:.2f}" if p else "n/a",
+                        f"{ratio[0]:.2f}" if ratio else "n/a",
+                        " ".join(f"{x:.2f}" for x in ratio[1]) if ratio else "",
                         agreement(r["tokens"], p["tokens"]) if p else "n/a",
                     ]
                 )
@@ -212,19 +256,23 @@ def main() -> int:
                     f"{ms['p90']:.1f}",
                     "",
                     "1.00",
+                    " ".join(f"{x:.2f}" for x in p["repeat_tok_s"]) + " tok/s",
                     "",
                 ]
             )
             if b == 1:
                 roof("transformers", 1, "-", p["decode_tokens_per_second"])
         else:
-            rows.append(["transformers", "1", "", "-", str(b), peer.get("error") or "skipped", *[""] * 5])
+            rows.append(["transformers", "1", "", "-", str(b), peer.get("error") or "skipped", *[""] * 6])
 
     w1 = roofline.decode_read_bytes(cfg, 1, 2, position)
     unused = roofline.decode_read_bytes(cfg, 1, 2, CAP - 1)["cache"] - w1["cache"]
     notes = [
         f"twin `{twin.name}`, bf16, greedy; prompt: {args.prompt_len} seeded random ids (k3dist.prompts.seeded_ids, "
-        f"the same ids for both), {args.max_new_tokens} new tokens, one run per point.",
+        f"the same ids for both), {args.max_new_tokens} new tokens; {args.repeats} repeats, each all k3dist points "
+        "then the peer: `tok/s` and step times are each point's median-tok/s run, `tok/s / peer` the median of the "
+        "repeats' ratios (each k3dist run over the peer run right after it), `per repeat` those ratios (the "
+        "peer's row: its tok/s per repeat).",
         "`tok/s` = batch x decode steps / their seconds (the first token comes from the prefill and is not counted); "
         "`step p50/p90`: k3dist per sync window (result.json step_ms), transformers per step; `warm-up s`: k3dist's "
         "one-time compile or graph capture before the first prompt (not in tok/s).",
@@ -252,6 +300,12 @@ def main() -> int:
         "plan_mismatches": mismatches,
         "k3dist": [{"world": w, "compile": c, "batch": b} | r for (w, c, b), r in k3.items()],
         "peer": peer,
+        "repeats": {
+            "k3dist": [
+                {"world": w, "compile": c, "batch": b, "tok_s": [rate(r) for r in rs]} for (w, c, b), rs in runs.items()
+            ],
+            "peer": [{b: rate(x) for b, x in rr.get("runs", {}).items()} for rr in peers],
+        },
     }
     common.publish(args, "Decode: k3dist vs transformers generate", tables, notes, m, data, started)
     return 1 if any("error" in r for r in k3.values()) or "error" in peer else 0

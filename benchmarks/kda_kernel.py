@@ -109,7 +109,7 @@ def kda_args(B: int, H: int, seed: int) -> list:
     dt = torch.empty(P, device=DEVICE).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
     return [
         randn(B, 3, P),
-        randn(B, 3, P, K - 1),
+        randn(B, K - 1, 3, P),
         randn(3, P, K, s=0.5),
         randn(B, P, s=3.0),
         randn(B, H),
@@ -131,7 +131,7 @@ def fla_args(args: list) -> list:
     B, _, P = qkv.shape
     H = beta_raw.shape[-1]
     cs = conv_state.clone()
-    q, k, v = (causal_conv_step(qkv[:, i], conv_w[i], cs[:, i]).view(B, 1, H, KDA_D) for i in range(3))
+    q, k, v = (causal_conv_step(qkv[:, i], conv_w[i], cs[:, :, i]).view(B, 1, H, KDA_D) for i in range(3))
     g = kda_gate(g_raw.view(B, 1, H, KDA_D), A_log, dt_bias)
     return [q, k, v, g, beta_raw.float().sigmoid().view(B, 1, H), state.clone()]
 

@@ -23,7 +23,7 @@ def cache_shapes(
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for spec in cfg.layers:
         if spec.mixer == "kda":
-            out[f"conv.{spec.index}"] = ((batch, 3, Pl, cfg.conv_kernel - 1), dtype)  # the previous K-1 inputs
+            out[f"conv.{spec.index}"] = ((batch, cfg.conv_kernel - 1, 3, Pl), dtype)  # the last K-1 q, k, v inputs
             out[f"state.{spec.index}"] = ((batch, Hl, d, d), torch.float32)  # key-major S[h, k, v]
         else:
             out[f"latent.{spec.index}"] = ((batch, cap, cfg.kv_lora_rank + cfg.qk_rope_dim), dtype)

@@ -26,6 +26,7 @@ from .engine import Completion, Engine
 from .errors import K3Error
 from .kernels.backend import select
 from .kernels.linear import packable
+from .kernels.moe import dense_wanted
 from .model.build import build_model
 from .model.tp import TPComm
 from .outfiles import atomic_write
@@ -145,9 +146,13 @@ def reserve_of(s: Settings, device: torch.device) -> int:
     return s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
 
 
-def runtime_of(s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, max_new: int, sample):
+def runtime_of(
+    s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, max_new: int, sample, pack=False
+):
     g = s.generate
-    return runtime_memory(cfg, world, g.batch, longest, g.prefill_chunk, max_new, sample, dtype.itemsize, device_type)
+    dense = dense_wanted(cfg.num_experts, cfg.top_k, g.batch, pack)
+    args = (cfg, world, g.batch, longest, g.prefill_chunk, max_new, sample, dtype.itemsize, device_type, dense)
+    return runtime_memory(*args)
 
 
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
@@ -218,9 +223,9 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
     shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
     longest = max((len(p.ids) for p in prompts), default=1)
-    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample)
     kind = capture_kind(s.decode.compile, rt.device, mode.sample)  # every rank alike, before anything is loaded
     pack = s.run.mode == "generate" and kind == "eager" and packable(dtype, rt.device)
+    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample, pack)
     store = load_weights(
         inv,
         rt,
@@ -231,7 +236,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         s.fault,
         runtime.total,
         s.memory.drop_page_cache,
-        derived_of(cfg, rt, dtype, pack),
+        derived_of(cfg, rt, dtype, pack, s.generate.batch),
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
@@ -245,9 +250,15 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new, kind, pack)
 
 
-def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool) -> int:
-    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice."""
-    return -(-cfg.vocab_size // rt.world) * cfg.hidden_size * dtype.itemsize if pack else 0
+def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, batch: int) -> int:
+    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
+    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once."""
+    if not pack:
+        return 0
+    head = -(-cfg.vocab_size // rt.world) * cfg.hidden_size
+    dense = dense_wanted(cfg.num_experts, cfg.top_k, batch, pack)
+    experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // rt.world) if dense else 0
+    return max(head, experts) * dtype.itemsize
 
 
 def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new, kind, pack) -> dict:

@@ -5,7 +5,8 @@ Terms (each an upper bound of what is alive at once, in bytes):
   CPU, as the engine prefills there), the largest of the layer
   kinds (KDA: projections, conv windows, fp32 q/k/v/g, the chunked delta rule's [C, C, d] decay tensor; MLA: the
   latent rows expanded through kv_b_proj back to the start of the longest prompt, attention scores; MoE: tokens
-  sorted by expert, their gate/up and down outputs) plus the fp32 residual stream around it;
+  sorted by expert, their gate/up and down outputs, or with dense experts every expert's) plus the fp32 residual
+  stream around it;
 - logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
   sampler's sort and noise buffers;
 - outputs: the per-slot token and top-5 buffers the host reads;
@@ -21,7 +22,7 @@ from .model.mla import KEY_BLOCK
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
-HOST_ALLOWANCE = 40 * MiB  # what CPU libraries allocate on first use during generation (24-30 MiB measured)
+HOST_ALLOWANCE = 22 * MiB  # what CPU libraries allocate on first use during generation (see docs/memory.md)
 KDA_CHUNK = 16  # kernels/kda.py's chunk length
 
 
@@ -40,7 +41,9 @@ class RuntimeMemory:
         return asdict(self) | {"total": self.total}
 
 
-def _prefill(cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int, s: int, cpu: bool = True) -> int:
+def _prefill(
+    cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int, s: int, cpu: bool = True, dense: bool = False
+) -> int:
     """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions
     (on the CPU MLA expands at most one key block of them at a time)."""
     D = cfg.hidden_size
@@ -66,6 +69,8 @@ def _prefill(cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int,
     if cfg.count(mlp="moe"):
         k, E, I_ = cfg.top_k, cfg.num_experts, cfg.expert_size // world
         routed = tokens * k * (D * s + 3 * I_ * s + D * s + D * 4 + 3 * 8)  # sorted x, gate/up, act, down, fp32
+        if dense:  # every expert: gate/up, act, weighted fp32 act and its rounding; the output
+            routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + D * (s + 4))
         router = tokens * E * 4 * 4
         shared = tokens * 3 * cfg.shared_size // world * s
         kinds.append(routed + router + shared + tokens * D * 4 * 2)
@@ -84,11 +89,12 @@ def runtime_memory(
     sample: bool,
     itemsize: int,
     device_type: str,
+    dense_experts: bool = False,
 ) -> RuntimeMemory:
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
-    prefill = _prefill(cfg, world, tokens, together, longest_prompt, s, cpu=device_type == "cpu")
+    prefill = _prefill(cfg, world, tokens, together, longest_prompt, s, device_type == "cpu", dense_experts)
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .conv import causal_conv_step
 from .kda import kda_gate
 from .norm import gated_rmsnorm
 
@@ -28,8 +29,8 @@ def kda_decode_fused(
 ) -> Tensor:
     """One token per sequence through KDA's recurrent core.
 
-    qkv: [B, 3, P] pre-conv q, k, v projections (compute dtype); conv_state: [B, 3, P, K-1] previous pre-conv
-    inputs, oldest first, updated in place; conv_w: [3, P, K]; g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] =
+    qkv: [B, 3, P] pre-conv q, k, v projections (compute dtype); conv_state: [B, K-1, 3, P] previous pre-conv
+    inputs, oldest first, token-major, contiguous in its last two dims, updated in place; conv_w: [3, P, K]; g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] =
     b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x)) before the sigmoid; A_log: [H] fp32; dt_bias: [P] fp32;
     o_norm: [d]; state: [B, H, d, d] fp32 key-major, updated in place. P = H * d.
     Returns [B, P] in qkv's dtype: the gated, normed output that o_proj reads.
@@ -37,10 +38,9 @@ def kda_decode_fused(
     B, _, P = qkv.shape
     H = beta_raw.shape[-1]
     d = P // H
-    # short conv + SiLU (conv.py's causal_conv_step for the three at once): fp32 products, rounded once
-    window = torch.cat([conv_state, qkv.unsqueeze(-1)], dim=-1)  # [B, 3, P, K]
-    conv_state.copy_(window[..., 1:])
-    mixed = F.silu((window.float() * conv_w.float()).sum(-1).to(conv_w.dtype)).to(qkv.dtype)
+    # short conv + SiLU over q, k, v as one row of 3P channels (conv.py): fp32 products, rounded once
+    K1 = conv_state.shape[1]
+    mixed = causal_conv_step(qkv.reshape(B, 3 * P), conv_w.reshape(3 * P, -1), conv_state.view(B, K1, 3 * P))
     q, k, v = mixed.float().view(B, 3, H, d).unbind(1)
     # l2norm (eps inside the sqrt) and the q scale, gate and beta in fp32 (kda.py)
     q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d**-0.5)

@@ -184,7 +184,7 @@ def _num_warps(tile: int) -> int:
 
 def kda_decode_fused(*args, **kwargs) -> Tensor:
     """One token per sequence through KDA's recurrent core: the arguments, shapes and semantics of
-    `kda_fused.kda_decode_fused` (qkv [B, 3, P], conv_state [B, 3, P, K-1] and state [B, H, d, d] fp32 updated in
+    `kda_fused.kda_decode_fused` (qkv [B, 3, P], conv_state [B, K-1, 3, P] and state [B, H, d, d] fp32 updated in
     place, ...). Any strides for the per-token tensors and the two states. Returns [B, P] in qkv's dtype."""
     return _kda_decode_fused(*args, **kwargs)
 
@@ -210,7 +210,7 @@ def _kda_decode_fused(
     KW = conv_w.shape[-1]
     if three != 3 or P != H * d or KW < 2:
         raise ValueError(f"qkv {tuple(qkv.shape)} with {H} heads and conv width {KW}: want [B, 3, H*d], K >= 2")
-    if conv_state.shape != (B, 3, P, KW - 1) or conv_w.shape != (3, P, KW) or state.shape != (B, H, d, d):
+    if conv_state.shape != (B, KW - 1, 3, P) or conv_w.shape != (3, P, KW) or state.shape != (B, H, d, d):
         raise ValueError(
             f"conv_state {tuple(conv_state.shape)}, conv_w {tuple(conv_w.shape)}, state {tuple(state.shape)} do not "
             f"fit B={B}, P={P}, H={H}, d={d}, K={KW}"
@@ -218,6 +218,7 @@ def _kda_decode_fused(
     if state.dtype != torch.float32:
         raise ValueError(f"the recurrent state must be fp32, got {state.dtype}")
     g_raw, gate = g_raw.reshape(B, P), gate.reshape(B, P)
+    conv_state = conv_state.permute(0, 2, 3, 1)  # the kernel indexes [B, 3, P, K-1] by strides
     A_log, dt_bias, o_norm = (t.reshape(-1).contiguous() for t in (A_log, dt_bias, o_norm))
     BD = triton.next_power_of_2(d)
     BV = min(BD, block_v or 32)

@@ -7,6 +7,7 @@ from ..cache import HybridCache
 from ..config import ModelConfig
 from ..kernels.backend import Kernels
 from ..kernels.linear import Linear
+from ..kernels.moe import DenseExperts, dense_wanted
 from .decoder import DecoderLayer, K3Model
 from .kda import KDA
 from .mla import MLA
@@ -24,8 +25,16 @@ def build_model(
     pack: bool = False,
 ) -> K3Model:
     """With `pack`, the projections' weights are reordered for oneDNN one at a time (kernels/linear.py) and the
-    plain ones leave `weights`, so at most one weight exists twice at any moment."""
+    plain ones leave `weights`, so at most one weight exists twice at any moment (three times for a dense expert
+    layout's w2: plain, permuted, packed)."""
     w = weights.__getitem__
+    dtype = weights["model.embed_tokens.weight"].dtype
+    dense = dense_wanted(cfg.num_experts, cfg.top_k, cache.batch, pack)
+
+    def dense_experts(prefix: str) -> DenseExperts | None:
+        if not dense:
+            return None
+        return DenseExperts(weights.pop(prefix + "experts.w13"), weights.pop(prefix + "experts.w2"), pack)
 
     def lin(name: str):
         weight = weights.pop(name) if pack else weights[name]
@@ -43,9 +52,10 @@ def build_model(
         else:
             mixer = MLA(w, lin, attn, cfg, comm, kernels, cache.layer("latent", spec.index))
         if spec.mlp == "dense":
-            mlp = DenseMLP(lin, p + "mlp.", comm, weights["model.embed_tokens.weight"].dtype)
+            mlp = DenseMLP(lin, p + "mlp.", comm, dtype)
         else:
-            mlp = MoE(w, lin, p + "block_sparse_moe.", cfg, comm, biased=router_weights == "biased")
+            moe = p + "block_sparse_moe."
+            mlp = MoE(w, lin, moe, cfg, comm, dtype, router_weights == "biased", dense_experts(moe))
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
     head = lin("lm_head.weight")

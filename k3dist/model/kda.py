@@ -22,7 +22,7 @@ class KDA:
         P = self.heads * self.d
         self.split = (3 * P, self.d, self.d, self.heads)
         self.eps, self.comm, self.kernels = cfg.rms_norm_eps, comm, kernels
-        self.conv_state, self.state = conv_state, state  # [B, 3, P, K-1], [B, H, d, d] fp32
+        self.conv_state, self.state = conv_state, state  # [B, K-1, 3, P], [B, H, d, d] fp32
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         qkv, f_a, g_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
@@ -54,7 +54,7 @@ class KDA:
         qkv, g_raw, beta_raw, gate = self._project(x)
         conv = self.conv_state.index_select(0, slots)
         q, k, v = (
-            causal_conv_prefill(p, self.conv_w[i], conv[:, i]).view(heads) for i, p in enumerate(qkv.chunk(3, dim=-1))
+            causal_conv_prefill(p, self.conv_w[i], conv[:, :, i]).view(heads) for i, p in enumerate(qkv.chunk(3, dim=-1))
         )
         self.conv_state.index_copy_(0, slots, conv)
         g = kda_gate(g_raw.view(heads), self.A_log, self.dt_bias)

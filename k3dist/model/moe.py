@@ -1,20 +1,25 @@
 """MoE (docs/model.md): sigmoid router with a selection-only correction bias, routed SwiGLU experts split by expert
 size over ranks, a shared expert, and one all-reduce for the whole block. No path reads anything on the host:
-decode gathers the chosen experts' weights, prefill groups tokens by expert with static shapes."""
+decode gathers the chosen experts' weights, prefill groups tokens by expert with static shapes; or, where the
+batch covers the experts on a CPU, every expert runs as one dense GEMM pair (kernels/moe.py's `dense_wanted`)."""
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
+from ..kernels.moe import DenseExperts, experts_gathered, experts_grouped, experts_sorted
 from .layers import swiglu
 
 
 class MoE:
-    def __init__(self, w, lin, prefix: str, cfg, comm, biased: bool = False):
+    def __init__(self, w, lin, prefix: str, cfg, comm, dtype: torch.dtype, biased=False, dense: DenseExperts | None = None):
         self.gate = w(prefix + "gate.weight")  # [E, D] fp32
         self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
-        self.w13, self.w2 = w(prefix + "experts.w13"), w(prefix + "experts.w2")  # [E, 2I, D], [E, D, I]
+        self.dense, self.dtype = dense, dtype
+        if dense is None:
+            self.w13, self.w2 = w(prefix + "experts.w13"), w(prefix + "experts.w2")  # [E, 2I, D], [E, D, I]
         shared = prefix + "shared_experts."
         self.shared = (
             (lin(shared + "gate_up_proj.weight"), lin(shared + "down_proj.weight")) if cfg.num_shared_experts else None
@@ -39,12 +44,12 @@ class MoE:
         return ids, weights * self.scale
 
     def _forward(self, x: Tensor, experts) -> Tensor:
-        """x: [..., D] normed, any float dtype: the router reads it as fp32, the experts in the weights' dtype."""
+        """x: [..., D] normed, any float dtype: the router reads it as fp32, the experts in the compute dtype."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.route(flat)
-        flat = flat.to(self.w13.dtype)
-        out = experts(flat, ids, weights, self.w13, self.w2)
+        flat = flat.to(self.dtype)
+        out = experts(flat, ids, weights)
         if self.shared is not None:
             out = out + swiglu(flat, *self.shared).float()
         return self.comm.all_reduce(out).view(shape)
@@ -52,11 +57,13 @@ class MoE:
     def decode(self, x: Tensor) -> Tensor:
         """Few (token, expert) pairs: gather the chosen experts' weights; more pairs than experts: sort them and run
         grouped GEMMs, reading each expert once. The choice depends on the batch only: a static shape either way."""
+        if self.dense is not None:
+            return self._forward(x, self.dense)
         few = x.reshape(-1, x.shape[-1]).shape[0] * self.top_k < self.w13.shape[0]
-        return self._forward(x, experts_gathered if few else experts_sorted)
+        return self._forward(x, partial(experts_gathered if few else experts_sorted, w13=self.w13, w2=self.w2))
 
     def prefill(self, x: Tensor) -> Tensor:
-        return self._forward(x, experts_grouped)
+        return self._forward(x, self.dense or partial(experts_grouped, w13=self.w13, w2=self.w2))
 
 
 class DenseMLP:

@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from k3dist.config import load_config
+from k3dist.kernels.linear import packable
 from k3dist.weights.twin import write_checkpoint
 
 from tests.support.configs import small_config
@@ -84,12 +86,13 @@ def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
         return hf_model(model_dir, dtype)(torch.cat([prompt, tokens], 1), use_cache=False).logits.float()
 
 
-def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path):
+def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, dense_layers=None):
     out = tmp_path / f"k3-{world}-{dtype}.safetensors"
-    expect_ok(
-        run_ranks(teacher_forced, world, str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out), STEPS)
-    )
+    args = (str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out), STEPS, "unbiased", "eager", pack)
+    expect_ok(run_ranks(teacher_forced, world, *args))
     got = load_file(out)
+    if dense_layers is not None:
+        assert got["dense_layers"].item() == dense_layers
     return got["prefill"], got["steps"]
 
 
@@ -124,12 +127,24 @@ def test_small_configs_fp32_match_transformers(small_dirs, name, world, tmp_path
     check_fp32(small_dirs[name], world, tmp_path)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, tmp_path):
-    prompt, tokens, ref = reference(str(twin_dir))
+def packs() -> bool:
+    return packable(torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "world, batch, pack",
+    [(1, 2, False), (2, 2, False), (1, 8, True), (2, 8, True)],
+    ids=["w1", "w2", "w1-b8-packed", "w2-b8-packed"],
+)
+def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, batch, pack, tmp_path):
+    """Packed at batch 8, the twin's 16 experts x top-2 are covered: its MoE layers run dense (kernels/moe.py),
+    where this CPU has oneDNN bf16 (else the packed case runs the plain weights and says so by its layer count)."""
+    prompt, tokens, ref = reference(str(twin_dir), batch=batch)
     T = prompt.shape[1]
     hf_bf16 = hf_logits(str(twin_dir), torch.bfloat16, prompt, tokens)
-    prefill, steps = k3_logits(twin_dir, world, "bfloat16", prompt, tokens, tmp_path)
+    moe_layers = sum(spec.mlp == "moe" for spec in load_config(str(twin_dir)).layers)
+    dense = moe_layers if pack and packs() else 0
+    prefill, steps = k3_logits(twin_dir, world, "bfloat16", prompt, tokens, tmp_path, pack, dense)
     mine = torch.cat([prefill[:, : T - 1], steps], 1)
     theirs = hf_bf16[:, : T - 1 + STEPS]
     target = ref[:, : T - 1 + STEPS]

@@ -2,6 +2,7 @@
 
 import torch
 from k3dist.kernels.backend import select
+from k3dist.kernels.linear import packable
 from safetensors.torch import save_file
 
 from k3dist import dist
@@ -16,8 +17,17 @@ from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
 
 
-def bind(model_dir: str, dtype: str, batch: int, cap: int, router: str = "unbiased", backend: str = "torch"):
-    """Init the rank, load its shard of the checkpoint, bind the model to an empty cache."""
+def bind(
+    model_dir: str,
+    dtype: str,
+    batch: int,
+    cap: int,
+    router: str = "unbiased",
+    backend: str = "torch",
+    pack: bool = False,
+):
+    """Init the rank, load its shard of the checkpoint, bind the model to an empty cache. With `pack`, weights are
+    packed where the job would pack them (bf16 on a CPU with oneDNN bf16), dense experts included."""
     rt = dist.init("gloo", "cpu", 120)
     torch.set_num_threads(1)
     cfg = load_config(model_dir)
@@ -27,7 +37,8 @@ def bind(model_dir: str, dtype: str, batch: int, cap: int, router: str = "unbias
     store = load_weights(inv, rt, dt, cache_nbytes(cache_shapes(cfg, rt.world, batch, cap, dt)), 0)
     cache = HybridCache(cfg, rt.world, batch, cap, dt, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
-    model = build_model(cfg, store.tensors, comm, cache, select(backend, rt.device), router)
+    pack = pack and packable(dt, rt.device)
+    model = build_model(cfg, store.tensors, comm, cache, select(backend, rt.device), router, pack)
     return rt, cfg, model, cache
 
 
@@ -40,11 +51,14 @@ def teacher_forced(
     steps: int = 16,
     router: str = "unbiased",
     capture: str = "eager",
+    pack: bool = False,
 ):
     """Prefill logits for every prompt position, then one decode step per forced token (or, with `forced` None,
-    per greedy token of its own) through the real static step; rank 0 saves logits and tokens."""
+    per greedy token of its own) through the real static step; rank 0 saves logits, tokens and how many MoE layers
+    ran dense experts."""
     B, T = len(prompt), len(prompt[0])
-    rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router)
+    rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router, pack=pack)
+    dense = sum(getattr(layer.mlp, "dense", None) is not None for layer in model.layers)
     step = DecodeStep(model, cache, steps, SamplingMode(False, False), capture)
     step.warm_up()
     rows = torch.arange(B)
@@ -67,6 +81,7 @@ def teacher_forced(
                 "prefill": prefill.float().contiguous(),
                 "steps": torch.stack(logits, 1).float().contiguous(),
                 "tokens": torch.stack(tokens, 1).contiguous(),
+                "dense_layers": torch.tensor(dense),
             },
             out,
         )

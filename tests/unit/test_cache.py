@@ -36,7 +36,7 @@ def test_twin_layers_hold_the_right_state():
     cache = HybridCache(cfg, 2, batch=3, cap=64, dtype=torch.bfloat16, device=CPU)
     assert sorted(k for k in cache.tensors if k.startswith("conv.")) == [f"conv.{i}" for i in (0, 1, 2, 4, 5, 6)]
     assert sorted(k for k in cache.tensors if k.startswith("latent.")) == ["latent.3", "latent.7"]
-    assert cache.layer("conv", 0).shape == (3, 3, 512, 3) and cache.layer("conv", 0).dtype == torch.bfloat16
+    assert cache.layer("conv", 0).shape == (3, 3, 3, 512) and cache.layer("conv", 0).dtype == torch.bfloat16
     assert cache.layer("state", 0).shape == (3, 4, 128, 128) and cache.layer("state", 0).dtype == torch.float32
     assert cache.layer("latent", 3).shape == (3, 64, 160)
     assert cache.positions.shape == (3,) and cache.positions.dtype == torch.int64

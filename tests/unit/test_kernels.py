@@ -39,23 +39,23 @@ def test_conv_prefill_matches_transformers(dtype):
     gen = torch.Generator().manual_seed(0)
     B, T, C, K = 2, 11, 24, 4
     x, weight = _randn(gen, B, T, C).to(dtype), (0.5 * _randn(gen, C, K)).to(dtype)
-    state = torch.zeros(B, C, K - 1, dtype=dtype)
+    state = torch.zeros(B, K - 1, C, dtype=dtype)
     got = conv.causal_conv_prefill(x, weight, state)
     want = hf.causal_conv1d_fn(x.transpose(1, 2), weight, activation="silu").transpose(1, 2)
     assert got.dtype == dtype and got.shape == (B, T, C)
     # bf16 is bit-exact; fp32 may differ by an ulp (conv1d's own zero padding vs explicitly prepended zeros).
     torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
-    torch.testing.assert_close(state, x[:, -(K - 1) :].transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(state, x[:, -(K - 1) :], rtol=0, atol=0)
 
 
 def test_conv_pieces_and_steps_equal_one_prefill():
     gen = torch.Generator().manual_seed(1)
     B, C, K = 2, 16, 4
     x, weight = _randn(gen, B, 12, C).float(), (0.5 * _randn(gen, C, K)).float()
-    full_state = torch.zeros(B, C, K - 1)
+    full_state = torch.zeros(B, K - 1, C)
     want = conv.causal_conv_prefill(x, weight, full_state)
 
-    state = torch.zeros(B, C, K - 1)
+    state = torch.zeros(B, K - 1, C)
     ptr = state.data_ptr()
     pieces = [conv.causal_conv_prefill(x[:, a:b], weight, state) for a, b in [(0, 2), (2, 3), (3, 8)]]  # T < K-1 too
     pieces += [conv.causal_conv_step(x[:, t], weight, state).unsqueeze(1) for t in range(8, 12)]
@@ -200,5 +200,5 @@ def test_conv_prefill_with_kernel_size_one_keeps_no_history():
     from k3dist.kernels.conv import causal_conv_prefill
 
     x, w = torch.randn(2, 5, 8), torch.randn(8, 1)
-    state = torch.zeros(2, 8, 0)
+    state = torch.zeros(2, 0, 8)
     torch.testing.assert_close(causal_conv_prefill(x, w, state), torch.nn.functional.silu(x * w[:, 0]))

@@ -1,9 +1,17 @@
-"""The two MoE paths without host syncs (decode: gathered expert weights; prefill: tokens sorted by expert, grouped
-GEMMs) equal a loop over experts, and MoE's routing honours groups, bias and renormalisation."""
+"""The MoE paths without host syncs (decode: gathered expert weights; prefill: tokens sorted by expert, grouped
+GEMMs; dense experts where a batch covers them) equal a loop over experts; the two-stage top-k of the logits."""
 
 import pytest
 import torch
-from k3dist.kernels.moe import experts_gathered, experts_grouped, experts_loop, experts_sorted
+from k3dist.kernels.linear import packable
+from k3dist.kernels.moe import (
+    DenseExperts,
+    dense_wanted,
+    experts_gathered,
+    experts_grouped,
+    experts_loop,
+    experts_sorted,
+)
 
 
 def _case(N: int, E: int = 12, k: int = 3, D: int = 64, I: int = 32, dtype=torch.float32, seed: int = 0):
@@ -39,3 +47,50 @@ def test_grouped_path_with_empty_experts_and_bf16():
 def test_sorted_path_falls_back_where_the_grouped_kernel_cannot_run():
     x, ids, weights, w13, w2 = _case(6, D=48, I=20)  # 40-byte rows: not the 16-byte strides _grouped_mm needs
     torch.testing.assert_close(experts_sorted(x, ids, weights, w13, w2), experts_loop(x, ids, weights, w13, w2))
+
+
+@pytest.mark.parametrize("N", [1, 5, 16])
+def test_dense_experts_equal_the_expert_loop(N):
+    """Every expert for every token, routing weights zero where not chosen: the loop's sum (fp32, plain weights)."""
+    x, ids, weights, w13, w2 = _case(N)
+    dense = DenseExperts(w13, w2, pack=False)
+    got = dense(x, ids, weights)
+    assert got.dtype == torch.float32 and got.shape == (N, x.shape[1])
+    torch.testing.assert_close(got, experts_loop(x, ids, weights, w13, w2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
+def test_dense_experts_packed_bf16_within_one_rounding_of_the_loop():
+    """Packed bf16 weights: the weighted activations round once before w2 where the loop rounds each expert's
+    output; the difference stays within bf16 rounding of the result."""
+    x, ids, weights, w13, w2 = _case(16, E=16, k=2, D=128, I=64, dtype=torch.bfloat16, seed=5)
+    want = experts_loop(x, ids, weights, w13, w2)
+    got = DenseExperts(w13, w2, pack=True)(x, ids, weights)
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
+    exact = experts_loop(x.float(), ids, weights, w13.float(), w2.float())
+    assert (got - exact).abs().max() <= 1.5 * (want - exact).abs().max() + 1e-6  # no farther from fp32 than the loop
+
+
+def test_dense_only_where_the_batch_covers_few_experts_and_weights_are_packed():
+    assert dense_wanted(experts=16, top_k=2, batch=8, pack=True)
+    assert not dense_wanted(experts=16, top_k=2, batch=7, pack=True)  # 14 pairs < 16 experts: gathered
+    assert not dense_wanted(experts=16, top_k=2, batch=8, pack=False)  # plain weights: the stacked paths
+    assert not dense_wanted(experts=256, top_k=8, batch=64, pack=True)  # prefill would compute 32x the FLOPs
+
+
+@pytest.mark.parametrize("V", [128 * 40, 128 * 40 + 3, 300])
+def test_two_stage_topk_gives_the_top_values(V):
+    """Block maxima first, then the top-k of the chosen blocks: the same values as topk (ids: same values), with
+    ties made common by rounding; vocab widths that do not split into blocks take the plain topk."""
+    from k3dist.model.tp import _topk
+
+    gen = torch.Generator().manual_seed(V)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4, V, generator=gen) * 2).round().to(dtype)  # many ties
+        x[1, 7] = float("nan")  # NaN ranks first, as in topk: the engine's finiteness check still sees it
+        for k in (1, 5):
+            want, _ = x.topk(k, dim=-1)
+            got, ids = _topk(x, k)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(x.gather(1, ids), got, rtol=0, atol=0, equal_nan=True)
+            assert all(len(set(row.tolist())) == k for row in ids)

@@ -73,7 +73,7 @@ def _kda_inputs(B: int, H: int, d: int, K: int, dtype: torch.dtype, seed: int = 
     dt = torch.empty(P).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
     args = [
         randn(B, 3, P).to(dtype),  # qkv
-        randn(B, 3, P, K - 1).to(dtype),  # conv_state
+        randn(B, K - 1, 3, P).to(dtype),  # conv_state
         (0.5 * randn(3, P, K)).to(dtype),  # conv_w
         g_raw.to(dtype),
         randn(B, H).to(dtype),  # beta_raw
@@ -140,8 +140,8 @@ def test_kda_strided_views_are_read_and_updated_in_place():
     want_args = _kda_inputs(B, H, d, K, dtype)
     qkv_buf = torch.zeros(3, B, P, dtype=dtype, device=DEV)
     qkv_buf.copy_(want_args[0].transpose(0, 1))
-    cs_buf = torch.zeros(B, 3, K - 1, P, dtype=dtype, device=DEV)  # tap-major: the tap stride is not 1
-    cs_buf.copy_(want_args[1].transpose(-1, -2))
+    cs_buf = torch.zeros(B, 3, K - 1, P, dtype=dtype, device=DEV)  # projection-major: taps not outermost
+    cs_buf.copy_(want_args[1].transpose(1, 2))
     w_buf = want_args[2].transpose(1, 2).contiguous()  # [3, K, P]
     proj = torch.zeros(B, 2 * P, dtype=dtype, device=DEV)  # g_raw and gate as column slices of one projection
     proj[:, :P], proj[:, P:] = want_args[3], want_args[5]
@@ -149,7 +149,7 @@ def test_kda_strided_views_are_read_and_updated_in_place():
     state_buf[1 : B + 1] = want_args[-1]
     got_args = [
         qkv_buf.transpose(0, 1),
-        cs_buf.transpose(-1, -2),
+        cs_buf.transpose(1, 2),
         w_buf.transpose(1, 2),
         proj[:, :P],
         want_args[4].clone(),
@@ -162,7 +162,7 @@ def test_kda_strided_views_are_read_and_updated_in_place():
     _check(got, want, TOL[dtype][0], "out", mean_rel=TOL[dtype][1])
     _check(state_buf[1 : B + 1], want_args[-1], _state_tol(dtype, DEV), "state")
     assert (state_buf[0] == 0).all() and (state_buf[B + 1] == 0).all(), "wrote outside the state view"
-    torch.testing.assert_close(cs_buf.transpose(-1, -2), want_args[1], rtol=0, atol=0)
+    torch.testing.assert_close(cs_buf.transpose(1, 2), want_args[1], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
