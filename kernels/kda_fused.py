@@ -6,7 +6,6 @@ once, so it is both the oracle for the Triton kernel (kda_triton.py) and a CPU p
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .conv import causal_conv_step
@@ -30,8 +29,8 @@ def kda_decode_fused(
     """One token per sequence through KDA's recurrent core.
 
     qkv: [B, 3, P] pre-conv q, k, v projections (compute dtype); conv_state: [B, K-1, 3, P] previous pre-conv
-    inputs, oldest first, token-major, contiguous in its last two dims, updated in place; conv_w: [3, P, K]; g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] =
-    b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x)) before the sigmoid; A_log: [H] fp32; dt_bias: [P] fp32;
+    inputs, oldest first, token-major, contiguous in its last two dims, updated in place; conv_w: [3, P, K];
+    g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] = b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x)) before the sigmoid; A_log: [H] fp32; dt_bias: [P] fp32;
     o_norm: [d]; state: [B, H, d, d] fp32 key-major, updated in place. P = H * d.
     Returns [B, P] in qkv's dtype: the gated, normed output that o_proj reads.
     """

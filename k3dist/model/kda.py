@@ -53,8 +53,9 @@ class KDA:
         heads = (n, T, self.heads, self.d)
         qkv, g_raw, beta_raw, gate = self._project(x)
         conv = self.conv_state.index_select(0, slots)
-        q, k, v = (
-            causal_conv_prefill(p, self.conv_w[i], conv[:, :, i]).view(heads) for i, p in enumerate(qkv.chunk(3, dim=-1))
+        q, k, v = (  # conv: [n, K-1, 3, P], token-major
+            causal_conv_prefill(p, self.conv_w[i], conv[:, :, i]).view(heads)
+            for i, p in enumerate(qkv.chunk(3, dim=-1))
         )
         self.conv_state.index_copy_(0, slots, conv)
         g = kda_gate(g_raw.view(heads), self.A_log, self.dt_bias)

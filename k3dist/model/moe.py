@@ -14,7 +14,9 @@ from .layers import swiglu
 
 
 class MoE:
-    def __init__(self, w, lin, prefix: str, cfg, comm, dtype: torch.dtype, biased=False, dense: DenseExperts | None = None):
+    def __init__(
+        self, w, lin, prefix: str, cfg, comm, dtype: torch.dtype, biased=False, dense: DenseExperts | None = None
+    ):
         self.gate = w(prefix + "gate.weight")  # [E, D] fp32
         self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
         self.dense, self.dtype = dense, dtype
