@@ -30,8 +30,9 @@ def kda_decode_fused(
 
     qkv: [B, 3, P] pre-conv q, k, v projections (compute dtype); conv_state: [B, K-1, 3, P] previous pre-conv
     inputs, oldest first, token-major, contiguous in its last two dims, updated in place; conv_w: [3, P, K];
-    g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] = b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x)) before the sigmoid; A_log: [H] fp32; dt_bias: [P] fp32;
-    o_norm: [d]; state: [B, H, d, d] fp32 key-major, updated in place. P = H * d.
+    g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] = b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x))
+    before the sigmoid; A_log: [H] fp32; dt_bias: [P] fp32; o_norm: [d]; state: [B, H, d, d] fp32 key-major,
+    updated in place. P = H * d.
     Returns [B, P] in qkv's dtype: the gated, normed output that o_proj reads.
     """
     B, _, P = qkv.shape
