@@ -7,13 +7,16 @@
 k3dist: one `python launch.py` per (world, compile, batch) on the seeded random prompt of --prompt-len tokens; tok/s,
 step p50/p90 and warm-up seconds come from its result.json (ranks split the cores: `cores // world` threads each).
 transformers (benchmarks/peer.py, a fresh process, torch's default threads) decodes the same ids with `generate`,
-timing each step through a logits processor; on CUDA it runs only where its version has the model.
+timing each step through a logits processor; on CUDA it runs only where its version has the model. --repeats times
+(default 3): the bandwidths, every k3dist point, the peer; figures are medians, ratios paired within a repeat (a
+shared machine's speed drifts by tens of percent between minutes).
 
 Roofline (batch 1): active bytes = what one decode step must read on a rank (roofline.decode_read_bytes: weights
 once, the cache up to the mean decode position), checked against the plan's local_bytes. The kernel roofline is
 measured here: torch's bf16 GEMV over a matrix the shape of the rank's LM-head slice, with the rank's threads
-(median of 7, warm-up excluded); roofline tok/s = that GB/s / active bytes. Achieved GB/s = active bytes x tok/s
-(gpt-fast's figure). The DRAM roofline uses a large copy_ (read + write bytes) instead.
+(median of 7, warm-up excluded, then the median over repeats); roofline tok/s = that GB/s / active bytes.
+Achieved GB/s = active bytes x tok/s (gpt-fast's figure). The DRAM roofline uses a large copy_ (read + write
+bytes) instead.
 """
 
 import argparse
@@ -68,6 +71,15 @@ def bandwidths(cfg, worlds: list[int], device: str, cores: int) -> dict[int, dic
             flush=True,
         )
     return out
+
+
+def median_bandwidth(per_repeat: list[dict]) -> dict:
+    """One world's bandwidths over the repeats: each figure's median, every repeat's GEMV GB/s beside it."""
+    out = dict(per_repeat[0])
+    for key in ("gemv_GBps", "packed_GBps", "copy_GBps"):
+        if out[key] is not None:
+            out[key] = statistics.median(b[key] for b in per_repeat)
+    return out | {"gemv_GBps_per_repeat": [b["gemv_GBps"] for b in per_repeat]}
 
 
 def k3_point(args, w: int, c: str, b: int, out: Path) -> dict:
@@ -153,7 +165,6 @@ def main() -> int:
     )
     twin, cfg = common.twin_dir(), load_config(common.CONFIG)
     tmp = Path(tempfile.mkdtemp(prefix="k3bench-decode-"))
-    bw = bandwidths(cfg, args.worlds, args.device, cores)
     position = args.prompt_len + max(args.max_new_tokens - 2, 0) / 2  # mean position a decode step reads up to
     mismatches = []
 
@@ -161,7 +172,9 @@ def main() -> int:
     spec = {"model_dir": str(twin), "device": args.device, "prompts": prompts, "max_new_tokens": args.max_new_tokens}
     runs: dict[tuple, list[dict]] = {}  # (world, compile, batch) -> one result per repeat
     peers: list[dict] = []
-    for rep in range(args.repeats):  # k3dist's points, then the peer: repeats interleave the two sides in time
+    bws: list[dict[int, dict]] = []
+    for rep in range(args.repeats):  # bandwidths, k3dist's points, the peer: repeats interleave them in time
+        bws.append(bandwidths(cfg, args.worlds, args.device, cores))
         for w in args.worlds:
             if rep == 0:
                 mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16)
@@ -179,6 +192,7 @@ def main() -> int:
                     common.save_partial(args, runs)
         peers.append(common.peer_or_skip("decode", lambda: spec, tmp, args.timeout * len(args.batches)))
     k3 = {key: representative(rs) for key, rs in runs.items()}
+    bw = {w: median_bandwidth([b[w] for b in bws]) for w in args.worlds}
     peer = median_peer(peers) if any(x.get("runs") for x in peers) else peers[0]
 
     head = ["system", "world", "threads/rank", "compile", "batch", "tok/s", "step p50 ms", "step p90 ms", "warm-up s"]
@@ -283,8 +297,10 @@ def main() -> int:
         "(kernels/linear.py), so the stricter bar. "
         "kernel roofline: torch's bf16 GEMV over the rank's LM-head slice "
         + ", ".join(f"world {w} {v['gemv_shape']} with {v['threads']} threads" for w, v in bw.items())
-        + "; DRAM roofline: a 256 MiB copy_ (read + write). At world > 1 the ranks share the memory bus, so "
-        "per-rank rooflines measured alone are optimistic.",
+        + "; DRAM roofline: a 256 MiB copy_ (read + write). Bandwidths are measured at the start of every repeat; "
+        "the tables use their medians (GEMV GB/s per repeat: "
+        + "; ".join(f"world {w} " + " ".join(f"{x:.1f}" for x in v["gemv_GBps_per_repeat"]) for w, v in bw.items())
+        + "). At world > 1 the ranks share the memory bus, so per-rank rooflines measured alone are optimistic.",
         f"the torch MLA decode reference scores all cache.cap ({CAP}) latent rows and masks the rest: at world 1 "
         f"at least {unused / 1e6:.1f} MB more per step than the roofline counts (rows up to the position only).",
         "`tok/s / peer` above 1 favours k3dist; `greedy = peer`: tokens equal before the first divergence, summed "
@@ -296,6 +312,7 @@ def main() -> int:
     data = {
         "args": vars(args),
         "bandwidth": bw,
+        "bandwidth_per_repeat": bws,
         "roofline": data_rows,
         "plan_mismatches": mismatches,
         "k3dist": [{"world": w, "compile": c, "batch": b} | r for (w, c, b), r in k3.items()],
