@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3dist import dist
 from k3dist.decode import DecodeStep
 from k3dist.engine import Engine, Prompt
+from k3dist.kernels.linear import packable
 from k3dist.sampling import SamplingMode
 from k3dist.weights.twin import write_checkpoint
 from tests.support.configs import small_config
@@ -51,8 +52,9 @@ def model_dir(tmp_path_factory):
     return str(write_checkpoint(small_config(), tmp_path_factory.mktemp("step"), seed=4, dtype="float32"))
 
 
-def _count_host_reads(model_dir: str, batch: int, sample: bool) -> dict:
-    rt, cfg, model, cache = bind(model_dir, "float32", batch, 64)
+def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = False) -> dict:
+    rt, cfg, model, cache = bind(model_dir, "bfloat16" if packed else "float32", batch, 64, pack=packed)
+    dense = sum(getattr(layer.mlp, "dense", None) is not None for layer in model.layers)
     step = DecodeStep(model, cache, 16, SamplingMode(sample, sample))
     engine = Engine(step, prefill_chunk=8, sync_every=4)
     prompts = [Prompt(f"r{i}", tuple(range(3 + i, 9 + 2 * i)), 16, temperature=0.7 * sample, top_p=0.9) for i in range(batch)]
@@ -62,7 +64,7 @@ def _count_host_reads(model_dir: str, batch: int, sample: bool) -> dict:
         for _ in range(6):
             step()
     dist.shutdown()
-    return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist()}
+    return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist(), "dense": dense}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -72,6 +74,14 @@ def test_no_host_sync_inside_the_step(model_dir, world, batch):
         for r in expect_ok(run_ranks(_count_host_reads, world, model_dir, batch, sample)):
             assert r["reads"] == [] and r["ops"] == [], r
             assert r["positions"] == [6 + i + 6 for i in range(batch)]  # each slot at its own position
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
+def test_no_host_sync_with_packed_weights_and_dense_experts(model_dir):
+    """bf16 on packed weights at batch 8: 8 experts x top-2 are covered, so every MoE layer runs dense."""
+    for r in expect_ok(run_ranks(_count_host_reads, 1, model_dir, 8, False, True)):
+        assert r["reads"] == [] and r["ops"] == [], r
+        assert r["dense"] > 0
 
 
 def _compiled_holds(model_dir: str, steps: int) -> dict:
