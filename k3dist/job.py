@@ -147,10 +147,9 @@ def reserve_of(s: Settings, device: torch.device) -> int:
 
 
 def runtime_of(
-    s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, max_new: int, sample, pack=False
+    s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, max_new: int, sample, dense=False
 ):
     g = s.generate
-    dense = dense_wanted(cfg.num_experts, cfg.top_k, g.batch, pack)
     args = (cfg, world, g.batch, longest, g.prefill_chunk, max_new, sample, dtype.itemsize, device_type, dense)
     return runtime_memory(*args)
 
@@ -225,7 +224,8 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     longest = max((len(p.ids) for p in prompts), default=1)
     kind = capture_kind(s.decode.compile, rt.device, mode.sample)  # every rank alike, before anything is loaded
     pack = s.run.mode == "generate" and kind == "eager" and packable(dtype, rt.device)
-    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample, pack)
+    dense = dense_wanted(cfg.num_experts, cfg.top_k, s.generate.batch, pack)  # as build_model will decide
+    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample, dense)
     store = load_weights(
         inv,
         rt,
@@ -236,7 +236,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         s.fault,
         runtime.total,
         s.memory.drop_page_cache,
-        derived_of(cfg, rt, dtype, pack, s.generate.batch),
+        derived_of(cfg, rt, dtype, pack, dense),
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
@@ -250,13 +250,12 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new, kind, pack)
 
 
-def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, batch: int) -> int:
+def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool) -> int:
     """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
     dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once."""
     if not pack:
         return 0
     head = -(-cfg.vocab_size // rt.world) * cfg.hidden_size
-    dense = dense_wanted(cfg.num_experts, cfg.top_k, batch, pack)
     experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // rt.world) if dense else 0
     return max(head, experts) * dtype.itemsize
 

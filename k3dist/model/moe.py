@@ -19,9 +19,14 @@ class MoE:
     ):
         self.gate = w(prefix + "gate.weight")  # [E, D] fp32
         self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
-        self.dense, self.dtype = dense, dtype
-        if dense is None:
-            self.w13, self.w2 = w(prefix + "experts.w13"), w(prefix + "experts.w2")  # [E, 2I, D], [E, D, I]
+        self.dense, self.dtype, self.experts = dense, dtype, cfg.num_experts
+        if dense is None:  # stacked [E, 2I, D], [E, D, I]: each path bound to them once
+            stacked = {"w13": w(prefix + "experts.w13"), "w2": w(prefix + "experts.w2")}
+            self._few, self._many, self._chunk = (
+                partial(path, **stacked) for path in (experts_gathered, experts_sorted, experts_grouped)
+            )
+        else:
+            self._few = self._many = self._chunk = dense
         shared = prefix + "shared_experts."
         self.shared = (
             (lin(shared + "gate_up_proj.weight"), lin(shared + "down_proj.weight")) if cfg.num_shared_experts else None
@@ -58,14 +63,13 @@ class MoE:
 
     def decode(self, x: Tensor) -> Tensor:
         """Few (token, expert) pairs: gather the chosen experts' weights; more pairs than experts: sort them and run
-        grouped GEMMs, reading each expert once. The choice depends on the batch only: a static shape either way."""
-        if self.dense is not None:
-            return self._forward(x, self.dense)
-        few = x.reshape(-1, x.shape[-1]).shape[0] * self.top_k < self.w13.shape[0]
-        return self._forward(x, partial(experts_gathered if few else experts_sorted, w13=self.w13, w2=self.w2))
+        grouped GEMMs, reading each expert once; dense experts take both. The choice depends on the batch only: a static
+        shape either way."""
+        few = x.reshape(-1, x.shape[-1]).shape[0] * self.top_k < self.experts
+        return self._forward(x, self._few if few else self._many)
 
     def prefill(self, x: Tensor) -> Tensor:
-        return self._forward(x, self.dense or partial(experts_grouped, w13=self.w13, w2=self.w2))
+        return self._forward(x, self._chunk)
 
 
 class DenseMLP:

@@ -13,7 +13,7 @@ from k3dist.kernels.linear import packable
 from k3dist.sampling import SamplingMode
 from k3dist.weights.twin import write_checkpoint
 from tests.support.configs import small_config
-from tests.support.harness import bind
+from tests.support.harness import bind, dense_layers
 from tests.support.ranks import expect_ok, run_ranks
 
 HOST_READS = {"item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__"}
@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory):
 
 def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = False) -> dict:
     rt, cfg, model, cache = bind(model_dir, "bfloat16" if packed else "float32", batch, 64, pack=packed)
-    dense = sum(getattr(layer.mlp, "dense", None) is not None for layer in model.layers)
+    dense = dense_layers(model)
     step = DecodeStep(model, cache, 16, SamplingMode(sample, sample))
     engine = Engine(step, prefill_chunk=8, sync_every=4)
     prompts = [Prompt(f"r{i}", tuple(range(3 + i, 9 + 2 * i)), 16, temperature=0.7 * sample, top_p=0.9) for i in range(batch)]

@@ -42,6 +42,11 @@ def bind(
     return rt, cfg, model, cache
 
 
+def dense_layers(model) -> int:
+    """How many MoE layers hold their experts dense (kernels/moe.py)."""
+    return sum(getattr(layer.mlp, "dense", None) is not None for layer in model.layers)
+
+
 def teacher_forced(
     model_dir: str,
     dtype: str,
@@ -58,7 +63,7 @@ def teacher_forced(
     ran dense experts."""
     B, T = len(prompt), len(prompt[0])
     rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router, pack=pack)
-    dense = sum(getattr(layer.mlp, "dense", None) is not None for layer in model.layers)
+    dense = dense_layers(model)
     step = DecodeStep(model, cache, steps, SamplingMode(False, False), capture)
     step.warm_up()
     rows = torch.arange(B)
