@@ -3,7 +3,7 @@
 Not under torchrun, `dist.nproc=N` > 1 starts the N ranks here through torch's elastic launcher. Rank 0 owns the
 Hydra run dir and writes result.json there (or to `out`); other ranks create no dir and write no `.hydra/`.
 `python launch.py -m ...` sweeps: one job per point, each starting its own ranks; a refused point does not end the
-sweep, and a summary of every point is written at the end (k3dist/sweep.py).
+sweep, and a summary of every point is written at the end (k3dist/run/sweep.py).
 """
 
 import logging
@@ -20,8 +20,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from k3dist import signals
-from k3dist.errors import K3Error
+from k3dist.base.errors import K3Error
+from k3dist.run import signals
 
 QUIET_RANK_OVERRIDES = [
     "hydra.output_subdir=null",
@@ -46,7 +46,7 @@ def launch_ranks(job: dict, nproc: int, entry) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from k3dist.dist import free_port
+    from k3dist.base.dist import free_port
 
     for name in list(logging.root.manager.loggerDict):  # the agent's own logs would bury the `error:` lines
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
@@ -87,7 +87,7 @@ def spawn(job: dict, nproc: int) -> None:
     """A single run on `nproc` ranks started here; a failed rank fails the job."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from k3dist.job import rank_entry
+    from k3dist.run.job import rank_entry
 
     try:
         launch_ranks(job, nproc, rank_entry)
@@ -100,10 +100,10 @@ def spawn(job: dict, nproc: int) -> None:
 def sweep_point(job: dict) -> None:
     """One point of a sweep (`-m`). Its ranks run in processes of their own even for dist.nproc=1, so a failure,
     peak memory or process group never leaks into the next point; a refusal or error is recorded in the job dir
-    (k3dist/sweep.py) and the sweep goes on."""
+    (k3dist/run/sweep.py) and the sweep goes on."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from k3dist.sweep import point_rank, write_point
+    from k3dist.run.sweep import point_rank, write_point
 
     if under_torchrun():
         raise K3Error("a sweep (-m) starts each point's ranks itself: run python launch.py -m ... dist.nproc=N")
@@ -138,18 +138,18 @@ def main(cfg: DictConfig) -> None:
         elif under_torchrun() or nproc == 1:
             from torch.distributed.elastic.multiprocessing.errors import record
 
-            from k3dist.job import run_or_exit
+            from k3dist.run.job import run_or_exit
 
             signals.as_rank(announce=rank_zero())  # this process is the rank: it ends even mid-collective
             record(run_or_exit)(job)
         else:
             spawn(job, nproc)
     except K3Error as exc:
-        from k3dist.job import exit_with_error
+        from k3dist.run.job import exit_with_error
 
         exit_with_error(exc)
     except Exception as exc:  # noqa: BLE001 - the launcher's own failure: one line too, never a traceback
-        from k3dist.job import exit_with_error, unexpected
+        from k3dist.run.job import exit_with_error, unexpected
 
         exit_with_error(unexpected(exc))
 

@@ -221,7 +221,7 @@ def k3dist(overrides: list[str], out: Path, timeout: float) -> dict:
 
 def twin_dir() -> Path:
     """The twin checkpoint the CLI uses by default (written once to $K3DIST_CACHE)."""
-    from k3dist.weights.twin import ensure_twin
+    from k3dist.twin.checkpoint import ensure_twin
 
     return ensure_twin(CONFIG)
 

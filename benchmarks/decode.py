@@ -155,8 +155,8 @@ def main() -> int:
     import torch
 
     from k3dist.config import load_config
-    from k3dist.engine import Timings
-    from k3dist.prompts import seeded_ids
+    from k3dist.engine.engine import Timings
+    from k3dist.offline.prompts import seeded_ids
 
     started = time.perf_counter()
     cores = len(os.sched_getaffinity(0))
@@ -282,7 +282,8 @@ def main() -> int:
     w1 = roofline.decode_read_bytes(cfg, 1, 2, position)
     unused = roofline.decode_read_bytes(cfg, 1, 2, CAP - 1)["cache"] - w1["cache"]
     notes = [
-        f"twin `{twin.name}`, bf16, greedy; prompt: {args.prompt_len} seeded random ids (k3dist.prompts.seeded_ids, "
+        f"twin `{twin.name}`, bf16, greedy; prompt: {args.prompt_len} seeded random ids "
+        f"(k3dist.offline.prompts.seeded_ids, "
         f"the same ids for both), {args.max_new_tokens} new tokens; {args.repeats} repeats, each all k3dist points "
         "then the peer: `tok/s` and step times are each point's median-tok/s run, `tok/s / peer` the median of the "
         "repeats' ratios (each k3dist run over the peer run right after it), `per repeat` those ratios (the "

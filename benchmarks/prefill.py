@@ -53,7 +53,7 @@ def main() -> int:
         return 2
 
     from k3dist.config import load_config
-    from k3dist.prompts import seeded_ids
+    from k3dist.offline.prompts import seeded_ids
 
     started = time.perf_counter()
     cores = len(os.sched_getaffinity(0))
@@ -138,7 +138,7 @@ def main() -> int:
         data_rows.append({"system": "transformers", "batch": 1, "tokens": n, "ttft": t})
 
     notes = [
-        f"twin `{twin.name}`, bf16, seeded random prompts (k3dist.prompts.seeded_ids: the same ids for both); "
+        f"twin `{twin.name}`, bf16, seeded random prompts (k3dist.offline.prompts.seeded_ids: the same ids for both); "
         f"{args.repeats} fresh k3dist runs per point, {args.repeats} transformers forwards per length; medians.",
         f"targets: `peer TTFT / k3dist` >= {TARGET_SPEEDUP:g} at batch 1 (above 1 favours k3dist); batch "
         f"{args.batch} x {longest} `TTFT / batch 1` <= {TARGET_BATCH_RATIO:g}.",

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import compute_dtype
-from .errors import K3Error
+from .base.dtypes import compute_dtype
+from .base.errors import K3Error
 
 MODEL_TYPES = {"kimi_linear", "kimi_k3", "Kimi-K3"}
 

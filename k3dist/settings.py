@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import COMPUTE, compute_dtype
-from .errors import K3Error
-from .faults import Faults
-from .units import parse_bytes
+from .base.dtypes import COMPUTE, compute_dtype
+from .base.errors import K3Error
+from .base.faults import Faults
+from .base.units import parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
 MODES = ("generate", "load", "plan")

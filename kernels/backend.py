@@ -8,10 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from k3dist.kernels import kda_fused, mla
 
-from k3dist.errors import K3Error
-
-from . import kda_fused, mla
+from k3dist.base.errors import K3Error
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
 
 
 def _triton() -> Kernels:
-    from . import kda_triton, mla_triton
+    from k3dist.kernels import kda_triton, mla_triton
 
     return Kernels("triton", kda_triton.kda_decode_fused, mla_triton.mla_decode)
 

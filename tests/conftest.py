@@ -37,6 +37,6 @@ def k3_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def twin_dir(k3_cache) -> Path:
     """The 0.40B twin, bf16, written once."""
-    from k3dist.weights.twin import ensure_twin
+    from k3dist.twin.checkpoint import ensure_twin
 
     return ensure_twin(TWIN_CONFIG, root=k3_cache)

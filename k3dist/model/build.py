@@ -3,8 +3,8 @@ kernels chosen once. The job, the tests and the benchmarks all build through her
 
 import torch
 
-from ..cache import HybridCache
 from ..config import ModelConfig
+from ..engine.cache import HybridCache
 from ..kernels.backend import Kernels
 from ..kernels.linear import Linear
 from ..kernels.moe import DenseExperts, dense_wanted

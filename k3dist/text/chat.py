@@ -18,7 +18,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from ..errors import K3Error
+from ..base.errors import K3Error
 from .files import optional_file, read_json_object, read_text
 
 TEMPLATE_FILE = "chat_template.jinja"

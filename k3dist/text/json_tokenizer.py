@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..errors import K3Error
+from ..base.errors import K3Error
 from .files import read_text
 
 

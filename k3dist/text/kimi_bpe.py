@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tiktoken
 
-from ..errors import K3Error
+from ..base.errors import K3Error
 
 # Kimi's pre-tokenizer: Han runs alone, CamelCase split, digits in threes (fancy-regex; `&&` intersects classes).
 PATTERN = "|".join(

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import K3Error
-from ..outfiles import atomic_write
+from ..base.errors import K3Error
+from ..base.outfiles import atomic_write
 from .chat import messages_problem
 
 INPUTS = ("prompt", "messages", "ids")

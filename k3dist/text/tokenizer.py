@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import K3Error
+from ..base.errors import K3Error
 from .files import optional_file, read_json_object
 from .json_tokenizer import JsonTokenizer
 from .kimi_bpe import KimiTiktoken

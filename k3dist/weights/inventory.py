@@ -13,12 +13,12 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from ..base.dtypes import BY_CODE, ELEMENT_BITS
+from ..base.errors import K3Error
+from ..base.paths import INDEX, inside
 from ..config import ModelConfig
-from ..dtypes import BY_CODE, ELEMENT_BITS
-from ..errors import K3Error
 from .schema import canonical_name, expected_tensors
 
-INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # safetensors' own limit on the header length
 
 
@@ -45,27 +45,6 @@ class Inventory:
     def fingerprint(self) -> str:
         """One digest of every file's header, exchanged in the agreement to catch ranks seeing other checkpoints."""
         return hashlib.sha256(json.dumps(self.file_digests, sort_keys=True).encode()).hexdigest()
-
-
-def inside(model_dir: Path, name: str, what: str) -> Path:
-    """Resolve `name` inside `model_dir`; refuse absolute paths, `..` and symlinks that leave the dir."""
-    if os.path.isabs(name) or ".." in Path(name).parts or not name:
-        raise K3Error(f"{model_dir / INDEX}: {what} names {name!r}, which is outside the model dir")
-    path = model_dir / name
-    try:
-        real = path.resolve()
-        outside, exists = not real.is_relative_to(model_dir.resolve()), real.is_file()
-    except (OSError, ValueError, RuntimeError) as exc:  # NUL byte, name too long, symlink loop (3.11)
-        why = getattr(exc, "strerror", None) or exc
-        raise K3Error(f"{model_dir}: {what} names {name[:200]!r}, which cannot be resolved ({why})") from None
-    if outside:
-        raise K3Error(f"{path}: {what} resolves to {real}, outside the model dir {model_dir}")
-    if not exists:
-        kind = "a file that does not exist"
-        if real.exists():
-            kind = "a directory, not a file" if real.is_dir() else "something that is not a regular file"
-        raise K3Error(f"{path}: {what} names {kind}")
-    return path
 
 
 def _index_map(model_dir: Path) -> dict[str, str] | None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..dist import Runtime, agree, node_id
-from ..errors import K3Error
-from ..faults import Faults
-from ..units import fmt_bytes
+from ..base.dist import Runtime, agree, node_id
+from ..base.errors import K3Error
+from ..base.faults import Faults
+from ..base.units import fmt_bytes
 from .inventory import Inventory, layout
 from .memory import MemoryPlan, detect_free, memory_plan
 from .pagecache import PageCache

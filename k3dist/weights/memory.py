@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..units import fmt_bytes
+from ..base.units import fmt_bytes
 from .reads import read_bytes, schedule, staging
 from .tp_plan import ShardPlan
 

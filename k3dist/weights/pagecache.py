@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..dist import Runtime, count
+from ..base.dist import Runtime, count
 
 log = logging.getLogger("k3dist")
 MODES = ("auto", "on", "off")

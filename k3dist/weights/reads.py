@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from ..dtypes import BY_CODE
+from ..base.dtypes import BY_CODE
 from .tp_plan import ShardPlan
 
 PAGE = mmap.PAGESIZE

@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..base.dtypes import BY_CODE
+from ..base.errors import K3Error
 from ..config import ModelConfig
-from ..dtypes import BY_CODE
-from ..errors import K3Error
 from .inventory import TensorEntry
 from .schema import Placement, keeps_fp32, placements
 

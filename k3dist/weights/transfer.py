@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from ..dtypes import BY_CODE
+from ..base.dtypes import BY_CODE
 from .reads import PAGE, Chunk, run_of
 from .staging import Ring, Slot
 from .tp_plan import ShardPlan

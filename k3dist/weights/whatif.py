@@ -5,8 +5,8 @@ Plans from an inventory when there is a checkpoint (real or sparse), or from the
 
 import torch
 
+from ..base.dtypes import BY_NAME
 from ..config import ModelConfig
-from ..dtypes import BY_NAME
 from .inventory import Inventory, TensorEntry
 from .memory import MemoryPlan, memory_plan
 from .schema import expected_tensors

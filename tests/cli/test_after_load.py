@@ -3,7 +3,7 @@ left waiting in a collective and no process left behind."""
 
 import pytest
 
-from k3dist.weights.twin import write_checkpoint
+from k3dist.twin.checkpoint import write_checkpoint
 from tests.dist.test_faults import run_watched
 from tests.support.cli_run import error_lines
 from tests.support.configs import small_config

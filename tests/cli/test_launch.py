@@ -70,7 +70,7 @@ def fp32_runs(k3_cache, tmp_path_factory):
 
 def two_agents(tmp):
     """Two nodes on one machine: two torchrun agents meeting at a c10d rendezvous, one rank each."""
-    from k3dist.dist import free_port
+    from k3dist.base.dist import free_port
 
     out = tmp / "result.json"
     endpoint = f"127.0.0.1:{free_port()}"
@@ -169,7 +169,7 @@ def test_help_and_cfg_show_the_config():
 def test_what_if_plan_from_a_sparse_checkpoint_equals_the_config_plan(tmp_path):
     sparse = tmp_path / "sparse48b"
     done = subprocess.run(
-        [sys.executable, "-m", "k3dist.weights.sparse", str(sparse)],
+        [sys.executable, "-m", "k3dist.twin.sparse", str(sparse)],
         cwd=ROOT,
         capture_output=True,
         text=True,

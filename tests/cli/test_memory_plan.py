@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from k3dist.weights.twin import write_checkpoint
+from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import run_cli
 from tests.support.configs import small_config
 

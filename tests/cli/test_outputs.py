@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3dist.weights.twin import write_checkpoint
+from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import ROOT, error_lines
 from tests.support.configs import small_config
 

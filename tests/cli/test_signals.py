@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from k3dist.weights.twin import write_checkpoint
+from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import error_lines
 from tests.support.configs import small_config
 from tests.support.procs import Watched

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from k3dist import dist
-from k3dist.errors import K3Error
+from k3dist.base import dist
+from k3dist.base.errors import K3Error
 from tests.support.ranks import expect_ok, run_ranks
 
 

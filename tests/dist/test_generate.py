@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 
-from k3dist.weights.twin import write_checkpoint
+from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import generate
 from tests.support.ranks import expect_ok, run_ranks

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from k3dist.config import load_config
 from k3dist.kernels.linear import packable
-from k3dist.weights.twin import write_checkpoint
+from k3dist.twin.checkpoint import write_checkpoint
 
 from tests.support.configs import small_config
 from tests.support.harness import generate, teacher_forced

@@ -6,12 +6,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3dist import dist
-from k3dist.decode import DecodeStep
-from k3dist.engine import Engine, Prompt
+from k3dist.base import dist
+from k3dist.engine.step import DecodeStep
+from k3dist.engine.engine import Engine, Prompt
 from k3dist.kernels.linear import packable
-from k3dist.sampling import SamplingMode
-from k3dist.weights.twin import write_checkpoint
+from k3dist.engine.sampling import SamplingMode
+from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import bind, dense_layers
 from tests.support.ranks import expect_ok, run_ranks

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3dist.decode import DecodeStep
-from k3dist.engine import Engine, Prompt
+from k3dist.engine.engine import Engine, Prompt
+from k3dist.engine.sampling import SamplingMode
+from k3dist.engine.step import DecodeStep
 from k3dist.model.tp import TPComm
-from k3dist.sampling import SamplingMode
 from tests.support.configs import small_config, twin_config
 from tests.support.models import random_model
 

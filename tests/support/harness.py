@@ -5,14 +5,14 @@ from k3dist.kernels.backend import select
 from k3dist.kernels.linear import packable
 from safetensors.torch import save_file
 
-from k3dist import dist
-from k3dist.cache import HybridCache, cache_nbytes, cache_shapes
+from k3dist.base import dist
+from k3dist.base.dtypes import BY_NAME
 from k3dist.config import load_config, validate_topology
-from k3dist.decode import DecodeStep
-from k3dist.dtypes import BY_NAME
+from k3dist.engine.cache import HybridCache, cache_nbytes, cache_shapes
+from k3dist.engine.sampling import SamplingMode
+from k3dist.engine.step import DecodeStep
 from k3dist.model.build import build_model
 from k3dist.model.tp import TPComm
-from k3dist.sampling import SamplingMode
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
 
@@ -106,7 +106,7 @@ def generate(
     eos: tuple[int, ...] = (),
 ) -> list[dict]:
     """Run the real engine on every rank over `prompts` (Prompt fields as dicts); each rank returns its completions."""
-    from k3dist.engine import Engine, Prompt
+    from k3dist.engine.engine import Engine, Prompt
 
     ready = [Prompt(**({"id": f"r{i}"} | p | {"ids": tuple(p["ids"])})) for i, p in enumerate(prompts)]
     longest = max(len(p.ids) + p.max_new_tokens for p in ready)

@@ -6,7 +6,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from k3dist.dist import free_port, torchrun_env
+from k3dist.base.dist import free_port, torchrun_env
 
 
 def _child(fn, rank, world, port, results, args, env):

@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k3dist.base.errors import K3Error
 from k3dist.config import load_config, validate_topology
-from k3dist.errors import K3Error
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import INDEX, scan
-from k3dist.weights.twin import write_checkpoint
 from tests.support.configs import small_config
 
 ROOT = Path(__file__).resolve().parents[2]

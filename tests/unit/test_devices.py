@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3dist import dist
+from k3dist.base import dist
 
 
 @pytest.mark.parametrize(

@@ -10,16 +10,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from k3dist.base.dist import Runtime
+from k3dist.base.faults import Faults
 from k3dist.config import load_config
-from k3dist.dist import Runtime
-from k3dist.faults import Faults
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights import reads
 from k3dist.weights.inventory import TensorEntry, layout, scan
 from k3dist.weights.loader import upload
 from k3dist.weights.memory import memory_plan
 from k3dist.weights.reads import CHUNK, MERGE, PAGE, SLOTS, schedule, staging
 from k3dist.weights.tp_plan import copy_shard, plan_rank, plan_tensor
-from k3dist.weights.twin import write_checkpoint
 from k3dist.weights.whatif import config_entries
 from tests.support.configs import small_config
 from tests.support.residency import SUPPORTED, evict, no_readahead, resident, write_synced

@@ -7,11 +7,11 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-import k3dist.text
-from k3dist.errors import K3Error
+import k3dist.twin
+from k3dist.base.errors import K3Error
 from k3dist.text.chat import load_chat_template, render_chat
 
-KIMI_TEMPLATE = (Path(k3dist.text.__file__).parent / "twin_chat_template.jinja").read_text()
+KIMI_TEMPLATE = (Path(k3dist.twin.__file__).parent / "chat_template.jinja").read_text()
 SPECIAL = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}
 SYSTEM = [
     {"role": "system", "content": "You are a helpful assistant provided by Moonshot-AI."},

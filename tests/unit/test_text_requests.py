@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from k3dist.errors import K3Error
+from k3dist.base.errors import K3Error
 from k3dist.text.requests import Request, read_requests, write_jsonl
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}]

@@ -8,7 +8,7 @@ import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from k3dist.errors import K3Error
+from k3dist.base.errors import K3Error
 from k3dist.text.json_tokenizer import byte_level_chars
 from k3dist.text.kimi_bpe import pieces
 from k3dist.text.tokenizer import load_tokenizer

@@ -14,9 +14,9 @@ import tiktoken
 from k3dist.text.chat import load_chat_template, render_chat
 from k3dist.text.kimi_bpe import SPECIAL_BLOCK
 from k3dist.text.tokenizer import load_tokenizer
-from k3dist.text.twin_tokenizer import CORPUS, trained_tokens, write_tokenizer
-from k3dist.weights import twin
-from k3dist.weights.twin import ensure_twin, write_checkpoint
+from k3dist.twin import checkpoint as twin
+from k3dist.twin.checkpoint import ensure_twin, write_checkpoint
+from k3dist.twin.tokenizer import CORPUS, trained_tokens, write_tokenizer
 from tests.support.configs import small_config, twin_config
 from tests.support.kimi_files import KIMI_OFFSETS, KIMI_PATTERN
 
@@ -104,7 +104,7 @@ def test_same_bytes_every_time_and_in_another_process(kimi_twin, tmp_path):
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (path / name).read_bytes(), name
     code = (
-        "import sys, hashlib; from k3dist.text.twin_tokenizer import write_tokenizer as w; "
+        "import sys, hashlib; from k3dist.twin.tokenizer import write_tokenizer as w; "
         "w(sys.argv[1], 163840, 163586, 163584); "
         "print(hashlib.sha256(open(sys.argv[1] + '/tiktoken.model', 'rb').read()).hexdigest())"
     )

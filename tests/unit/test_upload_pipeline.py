@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from k3dist.base.dist import Runtime
+from k3dist.base.errors import K3Error
+from k3dist.base.faults import Faults
 from k3dist.config import load_config
-from k3dist.dist import Runtime
-from k3dist.errors import K3Error
-from k3dist.faults import Faults
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights import loader, memory, pagecache, staging
 from k3dist.weights.inventory import scan
 from k3dist.weights.pagecache import PageCache
 from k3dist.weights.tp_plan import plan_rank
 from k3dist.weights.transfer import Transfer
-from k3dist.weights.twin import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.residency import SUPPORTED, evict, resident, write_synced
 

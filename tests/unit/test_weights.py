@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k3dist.base.dtypes import BY_CODE
+from k3dist.base.errors import K3Error
 from k3dist.config import load_config, parse_config, validate_topology
-from k3dist.dtypes import BY_CODE
-from k3dist.errors import K3Error
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import INDEX, TensorEntry, scan
 from k3dist.weights.schema import expected_tensors, keeps_fp32
 from k3dist.weights.tp_plan import (
@@ -37,7 +38,6 @@ from k3dist.weights.tp_plan import (
     plan_tensor,
     store_shapes,
 )
-from k3dist.weights.twin import write_checkpoint
 from k3dist.weights.whatif import config_entries, plan_all_ranks
 from tests.support.configs import small_config
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..base.dtypes import BY_NAME
 from ..config import parse_config
-from ..dtypes import BY_NAME
-from ..text.twin_tokenizer import TWIN_TOKENIZER_VERSION, write_tokenizer
-from .inventory import INDEX
-from .schema import expected_tensors
+from ..weights.inventory import INDEX
+from ..weights.schema import expected_tensors
+from .tokenizer import TWIN_TOKENIZER_VERSION, write_tokenizer
 
 log = logging.getLogger("k3dist")
 

@@ -1,6 +1,6 @@
 """Sparse checkpoints for what-if planning: real safetensors headers, data regions left as holes.
 
-`python -m k3dist.weights.sparse OUT_DIR [--config CONFIG.json]` writes the real 48B layout (about 98 GB apparent,
+`python -m k3dist.twin.sparse OUT_DIR [--config CONFIG.json]` writes the real 48B layout (about 98 GB apparent,
 a few MB on disk) so `run.mode=plan model.path=OUT_DIR` plans from checkpoint headers without the weights.
 The headers are written here because safetensors only serialises tensors it holds; it still parses them on load.
 """
@@ -10,10 +10,10 @@ import json
 import math
 from pathlib import Path
 
+from ..base.dtypes import BY_NAME, COMPUTE
 from ..config import parse_config
-from ..dtypes import BY_NAME, COMPUTE
-from .schema import expected_tensors
-from .twin import shard_layout, write_index
+from ..weights.schema import expected_tensors
+from .checkpoint import shard_layout, write_index
 
 
 def write_sparse(raw_config: dict, out_dir: str | Path, dtype: str = "bfloat16", shard_bytes: int = 5 * 10**9) -> Path:

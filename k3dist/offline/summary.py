@@ -4,7 +4,7 @@
 leave less than a page of each row to it.
 """
 
-from .units import fmt_bytes
+from ..base.units import fmt_bytes
 
 
 def print_summary(result: dict) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .engine import Completion, Engine, Prompt
-from .outfiles import check_writable
+from ..base.outfiles import check_writable
+from ..engine.engine import Completion, Engine, Prompt
 
 
 def result_path(s) -> Path:
@@ -63,7 +63,7 @@ class Output:
         if self.bar is not None:
             self.bar.close()
         if self.main and self.outputs is not None:
-            from .text.requests import write_jsonl
+            from ..text.requests import write_jsonl
 
             rows = [
                 {

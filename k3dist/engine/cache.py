@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
-from .errors import K3Error
+from ..base.errors import K3Error
+from ..config import ModelConfig
 
 
 def cache_shapes(

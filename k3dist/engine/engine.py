@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import DecodeStep
-from .errors import K3Error
-from .faults import Faults
+from ..base.errors import K3Error
+from ..base.faults import Faults
+from .step import DecodeStep
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from tokenizers import Regex, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .json_tokenizer import byte_level_chars
-from .kimi_bpe import PATTERN, SPECIAL_BLOCK
+from ..text.json_tokenizer import byte_level_chars
+from ..text.kimi_bpe import PATTERN, SPECIAL_BLOCK
 
 TWIN_TOKENIZER_VERSION = 1  # part of the twin cache key: bump when the files written here change
 CORPUS = Path(__file__).with_name("corpus.txt")
-TEMPLATE = Path(__file__).with_name("twin_chat_template.jinja")
+TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 # Offset in the special block -> token, as in Kimi-Linear's tokenizer_config.json.
 KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 9: "[EOT]"}
 KIMI_SPECIALS |= {10: "<|im_system|>", 17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}

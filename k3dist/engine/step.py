@@ -12,9 +12,9 @@ import time
 import torch
 from torch import Tensor
 
+from ..base.errors import K3Error
+from ..model.decoder import K3Model
 from .cache import HybridCache
-from .errors import K3Error
-from .model.decoder import K3Model
 from .sampling import SamplingMode, choose_tokens
 
 TOP = 5  # top logits kept per generated token (result.json's top_logits)

@@ -17,9 +17,9 @@ Terms (each an upper bound of what is alive at once, in bytes):
 
 from dataclasses import asdict, dataclass
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..model.mla import KEY_BLOCK
 from .engine import prefills_together
-from .model.mla import KEY_BLOCK
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up

@@ -18,11 +18,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import dist, signals
+from ..base import dist
+from ..base.outfiles import atomic_write
+from ..base.units import fmt_bytes, parse_bytes
+from ..weights.memory import peak_bytes
+from . import signals
 from .job import run_or_exit
-from .outfiles import atomic_write
-from .units import fmt_bytes, parse_bytes
-from .weights.memory import peak_bytes
 
 POINT = "point.json"
 # How a preflight refusal names each rank that does not fit (weights/memory.py, MemoryPlan.refusal).

@@ -18,30 +18,32 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from . import dist, signals
-from .cache import HybridCache, cache_nbytes, cache_shapes
-from .config import ModelConfig, load_config, validate_topology
-from .decode import DecodeStep, capture_kind
-from .engine import Completion, Engine
-from .errors import K3Error
-from .kernels.backend import select
-from .kernels.linear import packable
-from .kernels.moe import dense_wanted
-from .model.build import build_model
-from .model.tp import TPComm
-from .outfiles import atomic_write
-from .output import Output, check_targets
-from .prompts import TextTools, build_prompts
-from .runtime import runtime_memory
-from .sampling import SamplingMode
-from .settings import Settings, parse
-from .summary import print_summary
-from .weights.inventory import inside, scan
-from .weights.loader import load_weights
-from .weights.memory import detect_free, peak_bytes, return_freed_memory, start_peak_window, window_peak
-from .weights.schema import expected_tensors
-from .weights.twin import ensure_twin
-from .weights.whatif import plan_all_ranks
+from ..base import dist
+from ..base.errors import K3Error
+from ..base.outfiles import atomic_write
+from ..base.paths import inside
+from ..config import ModelConfig, load_config, validate_topology
+from ..engine.cache import HybridCache, cache_nbytes, cache_shapes
+from ..engine.engine import Completion, Engine
+from ..engine.runtime import runtime_memory
+from ..engine.sampling import SamplingMode
+from ..engine.step import DecodeStep, capture_kind
+from ..kernels.backend import select
+from ..kernels.linear import packable
+from ..kernels.moe import dense_wanted
+from ..model.build import build_model
+from ..model.tp import TPComm
+from ..offline.output import Output, check_targets
+from ..offline.prompts import TextTools, build_prompts
+from ..offline.summary import print_summary
+from ..settings import Settings, parse
+from ..twin.checkpoint import ensure_twin
+from ..weights.inventory import scan
+from ..weights.loader import load_weights
+from ..weights.memory import detect_free, peak_bytes, return_freed_memory, start_peak_window, window_peak
+from ..weights.schema import expected_tensors
+from ..weights.whatif import plan_all_ranks
+from . import signals
 
 log = logging.getLogger("k3dist")
 
@@ -141,7 +143,7 @@ def measured_memory(device: torch.device, runtime: dict | None) -> dict:
 
 
 def reserve_of(s: Settings, device: torch.device) -> int:
-    from .weights.memory import default_reserve
+    from ..weights.memory import default_reserve
 
     return s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
 
@@ -297,7 +299,7 @@ def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new, kind, pac
 def _assembler(tokenizer):
     if tokenizer is None:
         return None
-    from .text.stream import TextAssembler
+    from ..text.stream import TextAssembler
 
     return lambda prompt: TextAssembler(tokenizer, prompt.stop, tokenizer.eos_ids)
 

@@ -6,18 +6,18 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .engine import Prompt
-from .errors import K3Error
-from .settings import Settings
+from ..base.errors import K3Error
+from ..config import ModelConfig
+from ..engine.engine import Prompt
+from ..settings import Settings
 
 
 class TextTools:
     """The checkpoint's tokenizer and chat template, loaded only when text is involved."""
 
     def __init__(self, model_dir: Path, cfg_raw: dict | None = None):
-        from .text.chat import load_chat_template
-        from .text.tokenizer import load_tokenizer
+        from ..text.chat import load_chat_template
+        from ..text.tokenizer import load_tokenizer
 
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir, cfg_raw)
@@ -29,7 +29,7 @@ class TextTools:
         return self.tokenizer
 
     def encode_chat(self, messages: list, what: str, tools: list | None = None) -> list[int]:
-        from .text.chat import render_chat
+        from ..text.chat import render_chat
 
         tok = self.need_tokenizer(what)
         if self.template is None:
@@ -89,7 +89,7 @@ def _tools(text: TextTools | None) -> TextTools:
 
 
 def _from_file(path: str, s: Settings, text: TextTools | None, base: dict) -> list[Prompt]:
-    from .text.requests import read_requests
+    from ..text.requests import read_requests
 
     out = []
     for r in read_requests(path):
