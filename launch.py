@@ -145,11 +145,11 @@ def main(cfg: DictConfig) -> None:
         else:
             spawn(job, nproc)
     except K3Error as exc:
-        from k3dist.run.job import exit_with_error
+        from k3dist.run.failures import exit_with_error
 
         exit_with_error(exc)
     except Exception as exc:  # noqa: BLE001 - the launcher's own failure: one line too, never a traceback
-        from k3dist.run.job import exit_with_error, unexpected
+        from k3dist.run.failures import exit_with_error, unexpected
 
         exit_with_error(unexpected(exc))
 

@@ -155,7 +155,7 @@ def main() -> int:
     import torch
 
     from k3dist.config import load_config
-    from k3dist.engine.engine import Timings
+    from k3dist.engine.runner import Timings
     from k3dist.offline.prompts import seeded_ids
 
     started = time.perf_counter()

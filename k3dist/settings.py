@@ -5,6 +5,7 @@ and turns a bad one into one `error:` line naming the key.
 """
 
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from .base.faults import Faults
 from .base.units import parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
-MODES = ("generate", "load", "plan")
+MODES = ("generate", "load", "plan", "serve")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class DistSettings:
     collective_timeout_s: float  # collectives of prefill and decode (a first capture can be slow)
     backend: str
     device: str
+    check_tokens: bool  # debug: after every window, ranks compare their generated ids (engine/control.py)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class CacheSettings:
 @dataclass(frozen=True)
 class GenerateSettings:
     prompt: str | list[int] | None
-    prompt_len: int
+    prompt_len: int | None  # set: seeded random ids of this length instead of `prompt`
     prompts: str | None  # a JSONL file of requests
     outputs: str | None
     chat: bool
@@ -86,6 +88,19 @@ class KernelSettings:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    """run.mode=serve: the HTTP front on rank 0 (k3dist/serve/)."""
+
+    host: str
+    port: int
+    api_key: str | None  # or the environment's K3DIST_API_KEY; None: no key asked
+    model_name: str | None  # None: the checkpoint dir's name
+    max_waiting: int  # requests queued beyond the slots before new ones get 503
+    max_body: int  # bytes of a request body
+    drain_s: float  # on SIGTERM / Ctrl-C: how long in-flight requests may still run
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """What the job does: generate, stop after the weights (load), or only plan every rank (plan)."""
 
@@ -102,6 +117,7 @@ class Settings:
     decode: DecodeSettings
     kernels: KernelSettings
     run: RunSettings
+    serve: ServeSettings
     out: str | None
     fault: Faults
 
@@ -194,11 +210,28 @@ def _model(sec: _Section) -> ModelSettings:
     )
 
 
+def _serve(sec: _Section) -> ServeSettings:
+    port = sec.integer("port")
+    if port > 65535:
+        sec.fail("port", "must be a TCP port (0-65535; 0 picks a free one)")
+    host = sec.text("host")
+    if not host:
+        sec.fail("host", "must be an address to listen on, such as 127.0.0.1 or 0.0.0.0")
+    return ServeSettings(
+        host=host,
+        port=port,
+        api_key=sec.text("api_key") or os.environ.get("K3DIST_API_KEY") or None,
+        model_name=sec.text("model_name") or None,
+        max_waiting=sec.integer("max_waiting"),
+        max_body=sec.size("max_body") or 0,
+        drain_s=sec.number("drain_s"),
+    )
+
+
 def parse(job: dict) -> Settings:
     """Check every value a user can override; a bad one is an `error:` line naming the key."""
-    model, dist, mem, cache, gen, dec, ker, run = (
-        _Section(job, g) for g in ("model", "dist", "memory", "cache", "generate", "decode", "kernels", "run")
-    )
+    groups = ("model", "dist", "memory", "cache", "generate", "decode", "kernels", "run", "serve")
+    model, dist, mem, cache, gen, dec, ker, run, serve = (_Section(job, g) for g in groups)
     fault = dict(job.get("fault") or {})
     known = {f.name for f in fields(Faults)}
     if set(fault) - known:
@@ -215,6 +248,7 @@ def parse(job: dict) -> Settings:
             collective_timeout_s=dist.number("collective_timeout_s", 1.0),
             backend=dist.choice("backend", ("auto", "gloo", "nccl")),
             device=dist.choice("device", ("auto", "cpu", "cuda")),
+            check_tokens=dist.flag("check_tokens"),
         ),
         memory=MemorySettings(
             reserve=mem.size("reserve"),
@@ -224,7 +258,7 @@ def parse(job: dict) -> Settings:
         cache=CacheSettings(cap=cache.integer("cap", 1)),
         generate=GenerateSettings(
             prompt=_prompt(gen),
-            prompt_len=gen.integer("prompt_len", 1),
+            prompt_len=gen.integer("prompt_len", 1, optional=True),
             prompts=gen.text("prompts"),
             outputs=gen.text("outputs"),
             chat=gen.flag("chat"),
@@ -245,6 +279,7 @@ def parse(job: dict) -> Settings:
         ),
         kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "triton"))),
         run=RunSettings(mode=run.choice("mode", MODES)),
+        serve=_serve(serve),
         out=job.get("out"),
         fault=Faults(**fault),
     )

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..model.mla import KEY_BLOCK
-from .engine import prefills_together
+from .runner import prefills_together
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
@@ -87,12 +87,15 @@ def runtime_memory(
     batch: int,
     longest_prompt: int,
     prefill_chunk: int,
-    max_new_tokens: int,
+    out_len: int,
     sample: bool,
     itemsize: int,
     device_type: str,
     dense_experts: bool = False,
+    graphs: int = 1,
 ) -> RuntimeMemory:
+    """`out_len`: tokens each slot's output buffers hold (cache.cap); `graphs`: CUDA graphs captured (one per
+    sampling mode the run may need)."""
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
@@ -100,10 +103,10 @@ def runtime_memory(
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits
-    outputs = batch * max(max_new_tokens, 1) * (8 + 5 * (8 + 4))
+    outputs = batch * max(out_len, 1) * (8 + 5 * (8 + 4) + 4 + 4)  # token, top-5 ids and logits, lse, its logit
     if device_type == "cuda":
-        step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # the graph pool: one step's tensors
-        device = step + CUDA_WORKSPACE
+        step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # a graph pool: one step's tensors
+        device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
     return RuntimeMemory(prefill, logits, outputs, device)

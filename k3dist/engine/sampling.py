@@ -37,13 +37,28 @@ def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class SamplingMode:
-    """What the step must be able to do, fixed for a run (the step is captured once): greedy only, or sampling,
-    with or without top-k/top-p filters (those sort the vocabulary)."""
+    """What a step must be able to do: greedy only, or sampling, with or without top-k/top-p filters (those sort the
+    vocabulary). The step is captured once per mode it may need; a window runs the least mode covering its slots."""
 
     sample: bool
     filtered: bool
+
+    @staticmethod
+    def of(temperature: float, top_p: float, top_k: int) -> "SamplingMode":
+        """The least mode one request needs."""
+        sample = temperature > 0
+        return SamplingMode(sample, sample and (top_p < 1 or top_k > 0))
+
+    @staticmethod
+    def covering(modes) -> "SamplingMode":
+        """The least mode covering all of `modes` (greedy for none)."""
+        return max(modes, default=GREEDY)
+
+
+GREEDY, SAMPLE, FILTERED = SamplingMode(False, False), SamplingMode(True, False), SamplingMode(True, True)
+ALL_MODES = (GREEDY, SAMPLE, FILTERED)
 
 
 def choose_tokens(

@@ -41,22 +41,26 @@ class TPComm:
         parts = self._gather(local)  # [world, N, V_shard]
         return parts.permute(1, 0, 2).reshape(*lead, -1)[..., : self.vocab_size]
 
-    def gather_topk(self, local: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """The k largest logits over the whole vocab and their token ids, from each rank's own top-k only.
+    def gather_topk(self, local: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The k largest logits over the whole vocab, their token ids and the log-sum-exp of every logit, from each
+        rank's own top-k and log-sum-exp only: one gather, whatever the world.
 
-        local: [B, V_local]. Returns (values [B, k] fp32, ids [B, k] int64), best first.
+        local: [B, V_local]. Returns (values [B, k] fp32, ids [B, k] int64, lse [B] fp32), best first; values - lse are
+        the log-probabilities of a log-softmax over the whole vocabulary.
         """
         k_local = min(k, local.shape[-1])
         values, ids = _topk(local, k_local)
-        values = values.float()
+        values, lse = values.float(), torch.logsumexp(local.float(), dim=-1)
         if self.world == 1:
-            return values, ids
+            return values, ids, lse
         values = torch.nn.functional.pad(values, (0, k - k_local), value=float("-inf"))
         ids = torch.nn.functional.pad(ids + self.vocab_start, (0, k - k_local))
-        all_values = self._gather(values).permute(1, 0, 2).reshape(local.shape[0], -1)
+        both = torch.cat([values, lse[:, None]], dim=-1)  # the lse rides along in the values' gather
+        gathered = self._gather(both).permute(1, 0, 2)  # [B, world, k + 1]
+        all_values = gathered[..., :k].reshape(local.shape[0], -1)
         all_ids = self._gather(ids).permute(1, 0, 2).reshape(local.shape[0], -1)
         best, where = all_values.topk(k, dim=-1)
-        return best, all_ids.gather(1, where)
+        return best, all_ids.gather(1, where), torch.logsumexp(gathered[..., k], dim=-1)
 
 
 BLOCK = 128  # vocab entries per block in the two-stage top-k

@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..base.outfiles import check_writable
-from ..engine.engine import Completion, Engine, Prompt
+from ..engine.requests import Completion, Event, Prompt
 
 
 def result_path(s) -> Path:
@@ -32,7 +32,7 @@ def check_targets(s) -> None:
 
 
 class Output:
-    def __init__(self, s, rt, prompts: list[Prompt], engine: Engine):
+    def __init__(self, s, rt, prompts: list[Prompt]):
         self.s, self.prompts, self.main = s, prompts, rt.is_main
         g = s.generate
         self.outputs = outputs_path(s)
@@ -42,19 +42,17 @@ class Output:
         if self.main and g.prompts is not None:
             self.bar = tqdm(total=len(prompts), unit="req", desc="k3dist", file=sys.stderr, dynamic_ncols=True)
         self.tokens, self.start = 0, time.perf_counter()
-        if self.streaming:
-            engine.on_text = self._stream
-        engine.on_done = self._done
 
-    def _stream(self, index: int, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    def _done(self, index: int, completion: Completion) -> None:
-        self.tokens += len(completion.tokens)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.start):.1f} tok/s")
+    def on_event(self, event: Event) -> None:
+        """Text as it comes (one request, streaming), the progress bar as requests end."""
+        if self.streaming and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        if event.finished:
+            self.tokens += len(event.completion.tokens)
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.start):.1f} tok/s")
 
     def close(self, completions: list[Completion]) -> None:
         if self.streaming:

@@ -8,7 +8,7 @@ import torch
 
 from ..base.errors import K3Error
 from ..config import ModelConfig
-from ..engine.engine import Prompt
+from ..engine.requests import Prompt
 from ..settings import Settings
 
 
@@ -42,6 +42,9 @@ def _messages(text: str, system: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
+DEFAULT_PROMPT_LEN = 16  # generate.prompt=null without a prompt_len
+
+
 def seeded_ids(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """Random prompts for benchmarks: the same ids for the same (batch, length, vocab, seed) everywhere."""
     gen = torch.Generator().manual_seed(seed)
@@ -52,9 +55,13 @@ def build_prompts(s: Settings, cfg: ModelConfig, text: TextTools | None) -> list
     g = s.generate
     base = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=g.stop)
     if g.prompts is not None:
+        if g.prompt_len is not None:
+            raise K3Error("generate.prompt_len (random prompts) and generate.prompts (a requests file) are exclusive")
         prompts = _from_file(g.prompts, s, text, base)
     else:
-        if isinstance(g.prompt, str):
+        if g.prompt_len is not None or g.prompt is None:  # prompt_len wins over the default text prompt
+            rows = seeded_ids(g.batch, g.prompt_len or DEFAULT_PROMPT_LEN, cfg.vocab_size, g.seed)
+        elif isinstance(g.prompt, str):
             what = "generate.prompt"
             ids = (
                 text.encode_chat(_messages(g.prompt, g.system), what)
@@ -62,10 +69,8 @@ def build_prompts(s: Settings, cfg: ModelConfig, text: TextTools | None) -> list
                 else _tools(text).need_tokenizer(what).encode(g.prompt)
             )
             rows = [ids] * g.batch
-        elif g.prompt is not None:
-            rows = [list(g.prompt)] * g.batch
         else:
-            rows = seeded_ids(g.batch, g.prompt_len, cfg.vocab_size, g.seed)
+            rows = [list(g.prompt)] * g.batch
         # copies of one prompt draw differently when sampling: each slot its own seed
         prompts = [Prompt(f"seq-{i}", tuple(ids), seed=g.seed + i, **base) for i, ids in enumerate(rows)]
     for p in prompts:

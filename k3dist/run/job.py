@@ -11,39 +11,36 @@ import logging
 import math
 import os
 import sys
-import traceback
 from pathlib import Path
-from typing import NoReturn
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..base import dist
 from ..base.errors import K3Error
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
 from ..config import ModelConfig, load_config, validate_topology
-from ..engine.cache import HybridCache, cache_nbytes, cache_shapes
-from ..engine.engine import Completion, Engine
+from ..engine.cache import cache_nbytes, cache_shapes
 from ..engine.runtime import runtime_memory
-from ..engine.sampling import SamplingMode
-from ..engine.step import DecodeStep, capture_kind
-from ..kernels.backend import select
+from ..engine.sampling import ALL_MODES, SamplingMode
+from ..engine.step import capture_kind
 from ..kernels.linear import packable
 from ..kernels.moe import dense_wanted
-from ..model.build import build_model
-from ..model.tp import TPComm
-from ..offline.output import Output, check_targets
+from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
 from ..offline.summary import print_summary
+from ..serve.server import listen
 from ..settings import Settings, parse
 from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
-from ..weights.memory import detect_free, peak_bytes, return_freed_memory, start_peak_window, window_peak
+from ..weights.memory import detect_free, peak_bytes, return_freed_memory
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
 from . import signals
+from .failures import exit_with_error, staged, unexpected
+from .generation import generate
 
 log = logging.getLogger("k3dist")
 
@@ -57,49 +54,6 @@ def setup_logging(rank: int) -> None:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-
-
-def staged(stage: str, rt: dist.Runtime, fn):
-    """Run a local step on every rank and agree on its outcome, so one rank's error stops all of them."""
-    error, value = None, None
-    try:
-        value = fn()
-    except K3Error as exc:
-        error = str(exc) if str(exc).startswith("rank ") else f"rank {rt.rank}: {exc}"
-    except Exception as exc:  # a bug or I/O fault on this rank: peers must hear of it now, not at their timeout
-        error = f"rank {rt.rank}: {stage} failed: {type(exc).__name__}: {exc}"
-    dist.agree(stage, error, rt)
-    return value
-
-
-def after_load(stage, rt: dist.Runtime, fn):
-    """Run prefill/decode work; a failure on any rank ends every rank with that rank's line.
-
-    `stage` is a name, or a function that names the stage the work is in when it fails (the engine's prefill or
-    decode).
-
-    The failing rank publishes its error before it exits; a peer blocked in a collective with it sees that
-    collective fail (its peer left, or NCCL was aborted) and prints the published line instead of its own.
-    """
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - every failure after the load must reach the peers
-        stage = stage() if callable(stage) else stage
-        own = str(exc) if isinstance(exc, K3Error) else f"{stage} failed: {type(exc).__name__}: {exc}"
-        own = own if own.startswith("rank ") else f"rank {rt.rank}: {own}"
-        if isinstance(exc, torch.OutOfMemoryError):
-            own = f"rank {rt.rank}: out of device memory in {stage} (raise memory.reserve or lower generate.batch)"
-        if rt.world == 1:
-            raise K3Error(own) from None
-        peer = dist.published_failure(wait_s=0.0 if _own_fault(exc) else 5.0)
-        if peer is None:
-            dist.publish_failure(own)
-        raise K3Error(peer or own) from None
-
-
-def _own_fault(exc: Exception) -> bool:
-    """Errors a rank makes itself, as opposed to a collective failing because a peer went away."""
-    return not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError) or "injected" in str(exc)
 
 
 def model_config(s: Settings) -> ModelConfig:
@@ -148,12 +102,11 @@ def reserve_of(s: Settings, device: torch.device) -> int:
     return s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
 
 
-def runtime_of(
-    s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, max_new: int, sample, dense=False
-):
-    g = s.generate
-    args = (cfg, world, g.batch, longest, g.prefill_chunk, max_new, sample, dtype.itemsize, device_type, dense)
-    return runtime_memory(*args)
+def runtime_of(s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, modes, dense=False):
+    """runtime_bytes for prompts of up to `longest` tokens, sampling `modes`, outputs of a whole cache row."""
+    g, sample = s.generate, any(m.sample for m in modes)
+    args = (cfg, world, g.batch, longest, g.prefill_chunk, s.cache.cap, sample, dtype.itemsize, device_type, dense)
+    return runtime_memory(*args, graphs=len(modes))
 
 
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
@@ -165,9 +118,9 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
     dtype = s.model.compute_dtype(cfg.dtype)
     free = s.memory.free if s.memory.free is not None else detect_free(rt.device, rt.local_world)
     cache = cache_nbytes(cache_shapes(cfg, world, s.generate.batch, s.cache.cap, dtype))
-    sample = s.generate.temperature > 0
+    modes = (SamplingMode.of(s.generate.temperature, s.generate.top_p, s.generate.top_k),)
     longest = max(1, s.cache.cap - s.generate.max_new_tokens)  # what-if: the longest prompt the cache admits
-    runtime = runtime_of(s, cfg, world, dtype, rt.device.type, longest, s.generate.max_new_tokens, sample)
+    runtime = runtime_of(s, cfg, world, dtype, rt.device.type, longest, modes)
     reserve = reserve_of(s, rt.device)
     plans = plan_all_ranks(cfg, inv, world, dtype, cache, reserve, free, runtime.total)
     refused = [p.refusal() for p in plans if not p.fits]
@@ -207,27 +160,38 @@ def _text_tools(s: Settings, model_dir: Path) -> TextTools | None:
     return None
 
 
+def serving_text(model_dir: Path) -> TextTools:
+    text = TextTools(model_dir)
+    if text.tokenizer is None:
+        raise K3Error(
+            f"run.mode=serve needs the checkpoint's tokenizer, and {model_dir} has none (tiktoken.model or "
+            "tokenizer.json)"
+        )
+    return text
+
+
 def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     cfg = staged("config", rt, lambda: model_config(s))
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
     dtype = s.model.compute_dtype(cfg.dtype)
     model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
-    text, prompts = None, []
+    serving = s.run.mode == "serve"
+    text, prompts, listener = None, [], None
     if s.run.mode == "generate":
         text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))
         prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
-    max_new = max((p.max_new_tokens for p in prompts), default=s.generate.max_new_tokens)
-    mode = SamplingMode(
-        sample=any(p.temperature > 0 for p in prompts),
-        filtered=any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in prompts),
-    )
+    elif serving:  # the server's text and socket live on rank 0 only; a taken port is refused before the load
+        text = staged("tokenizer", rt, lambda: serving_text(model_dir) if rt.is_main else None)
+        listener = staged("serve", rt, lambda: listen(s.serve.host, s.serve.port) if rt.is_main else None)
+    # what the run may need: a server any sampling mode, every slot up to cache.cap tokens
+    modes = ALL_MODES if serving else (SamplingMode.covering(p.mode for p in prompts),)
+    longest = s.cache.cap if serving else max((len(p.ids) for p in prompts), default=1)
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
     shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
-    longest = max((len(p.ids) for p in prompts), default=1)
-    kind = capture_kind(s.decode.compile, rt.device, mode.sample)  # every rank alike, before anything is loaded
-    pack = s.run.mode == "generate" and kind == "eager" and packable(dtype, rt.device)
+    kind = capture_kind(s.decode.compile, rt.device)  # every rank alike, before anything is loaded
+    pack = s.run.mode in ("generate", "serve") and kind == "eager" and packable(dtype, rt.device)
     dense = dense_wanted(cfg.num_experts, cfg.top_k, s.generate.batch, pack)  # as build_model will decide
-    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, max_new, mode.sample, dense)
+    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense)
     store = load_weights(
         inv,
         rt,
@@ -249,7 +213,8 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     }
     if s.run.mode == "load":
         return result
-    return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new, kind, pack)
+    front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir}
+    return result | generate(s, rt, cfg, store.tensors, dtype, modes, kind, pack, **front)
 
 
 def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool) -> int:
@@ -262,65 +227,8 @@ def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: boo
     return max(head, experts) * dtype.itemsize
 
 
-def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new, kind, pack) -> dict:
-    cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
-    comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
-    kernels = select(s.kernels.backend, rt.device)
-    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack)
-    step = DecodeStep(model, cache, max_new, mode, kind)
-    tokenizer = text.tokenizer if text else None
-    eos = tokenizer.eos_ids if tokenizer else tuple(t for t in (cfg.eos_token_id,) if t is not None)
-    engine = Engine(step, s.generate.prefill_chunk, s.decode.sync_every, eos, _assembler(tokenizer), s.fault, rt.rank)
-    out = Output(s, rt, prompts, engine)
-    dist.abort_on_peer_failure(rt)
-    held = start_peak_window(rt.device)
-    after_load("warm-up", rt, step.warm_up)
-    completions: list[Completion] = after_load(lambda: engine.stage, rt, lambda: engine.run(prompts))
-    runtime_peak = window_peak(rt.device) - held
-    out.close(completions)
-    t = engine.timings
-    return {
-        "prompt": [list(p.ids) for p in prompts],
-        "tokens": [c.tokens for c in completions],
-        "text": [c.text for c in completions],
-        "finish_reason": [c.finish_reason for c in completions],
-        "top_logits": [c.top_logits for c in completions],
-        "warmup_seconds": step.warmup_seconds,
-        "prefill_seconds": t.prefill_seconds,
-        "decode_tokens_per_second": t.decode_tokens_per_second,
-        "step_ms": t.step_ms(),
-        "kernels": model.kernels.name,
-        "decode_compile": step.kind,
-        "packed_weights": pack,
-        "runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": runtime_peak},
-    } | out.paths()
-
-
-def _assembler(tokenizer):
-    if tokenizer is None:
-        return None
-    from ..text.stream import TextAssembler
-
-    return lambda prompt: TextAssembler(tokenizer, prompt.stop, tokenizer.eos_ids)
-
-
 def write_result(result: dict, out: str | None) -> None:
     atomic_write(Path(out or "result.json"), json.dumps(result, indent=1))
-
-
-def exit_with_error(exc: K3Error) -> NoReturn:
-    """Print the one `error:` line and exit 1; after an agreed failure, wait (bounded) until every rank printed.
-
-    `os._exit` skips interpreter teardown: destroying process groups whose peers may be gone can block or abort.
-    """
-    ErrorHandler().record_exception(exc)  # torch elastic's error file: torchrun's root cause, a sweep's record
-    sys.stderr.flush()
-    os.write(2, (exc.line + "\n").encode())  # one write: ranks sharing a terminal never interleave lines
-    rt = dist.current()
-    if exc.agreed and rt is not None and rt.world > 1:
-        dist.settle(rt)
-    sys.stdout.flush()
-    os._exit(1)
 
 
 @record
@@ -339,15 +247,3 @@ def run_or_exit(job: dict) -> dict | None:
         exit_with_error(exc)
     except Exception as exc:  # noqa: BLE001 - a rank never ends with a bare traceback or, spawned, in silence
         exit_with_error(unexpected(exc))
-
-
-def unexpected(exc: Exception) -> K3Error:
-    """An exception nobody turned into a K3Error, as one line; K3DIST_TRACEBACK=1 also prints its traceback."""
-    if os.environ.get("K3DIST_TRACEBACK"):
-        traceback.print_exception(exc)
-    rt = dist.current()
-    rank = rt.rank if rt is not None else os.environ.get("RANK", "0")
-    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
-    name = type(exc).__name__
-    return K3Error(f"rank {rank}: unexpected {name}: {exc}{where} (K3DIST_TRACEBACK=1 shows the traceback)")

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
@@ -95,8 +96,32 @@ def end(signum: int) -> None:
         os._exit(128 + signum)
 
 
+_deferred: Callable[[int], None] | None = None
+_first: float | None = None
+REPEAT_S = 2.0  # a repeat of a deferred signal sooner than this is the same stop (torchrun forwards the terminal's)
+
+
+def defer(callback: Callable[[int], None]) -> None:
+    """From now on the first signal calls `callback(signum)` instead of ending this rank (a server drains first); a
+    later one, more than REPEAT_S after it, ends the rank at once as usual."""
+    global _deferred
+    _deferred = callback
+
+
+def _dispatch(signum: int) -> None:
+    global _first
+    if _deferred is None:
+        end(signum)
+    elif _first is None:
+        _first = time.monotonic()
+        _deferred(signum)
+    elif time.monotonic() - _first > REPEAT_S:
+        end(signum)
+
+
 def _handle(signum, frame) -> None:
-    end(signum)
+    if _deferred is None or not _watching:  # a deferred signal is the watcher thread's to dispatch (once)
+        _dispatch(signum)
 
 
 def as_launcher(announce: bool) -> None:
@@ -113,7 +138,7 @@ def _watch(fd: int) -> None:
     while True:
         for byte in os.read(fd, 64):
             if byte in SIGNALS:
-                end(byte)
+                _dispatch(byte)
 
 
 _watching = False

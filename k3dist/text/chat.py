@@ -9,6 +9,8 @@ indent/separators/sort_keys, `raise_exception`, `strftime_now`, `dict` and an un
 
 import json
 import re
+import threading
+import time
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +28,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 # A role is written verbatim into the turn header, so only plain names count as roles.
 ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the one chat templates read
+RENDER_LIMIT_S = 10.0  # a chat render that takes longer is stopped
 
 
 def load_chat_template(model_dir: str | Path) -> tuple[str, str] | None:
@@ -53,11 +56,13 @@ def render_chat(
     messages: list[dict],
     tools: list | None = None,
     add_generation_prompt: bool = True,
+    time_limit_s: float = RENDER_LIMIT_S,
     **special,
 ) -> str:
     """The prompt text for `messages`, as transformers' apply_chat_template(..., tokenize=False) renders it.
 
     `special` holds the template variables transformers passes from the tokenizer (bos_token, eos_token, ...).
+    Rendering stops with an error after `time_limit_s` (a template looping over hostile input never hangs a rank).
     """
     if problem := messages_problem(messages):
         raise K3Error(f"chat messages: {problem}")
@@ -69,6 +74,7 @@ def render_chat(
         raise K3Error(f"chat messages, tools and template variables must be plain JSON data ({exc})") from None
     chat = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in data["messages"]]
     compiled = _compile(template, source)
+    _deadline.at = time.monotonic() + time_limit_s
     try:
         return compiled.render(
             messages=chat,
@@ -80,6 +86,8 @@ def render_chat(
     except Exception as exc:  # anything the template does wrong is the template's error, reported in one line
         cause = exc.message if isinstance(exc, jinja2.TemplateError) and exc.message else f"{type(exc).__name__}: {exc}"
         raise K3Error(f"{_where(source, _template_line(exc))} chat template failed: {cause}") from None
+    finally:
+        _deadline.at = None
 
 
 def _with_reasoning_aliases(message: dict) -> dict:
@@ -203,9 +211,34 @@ def _strftime_now(format):
     return datetime.now().strftime(format)
 
 
+_deadline = threading.local()  # when the render running in this thread must stop (None: no render)
+
+
+class _TimedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, checking the render's deadline at every call, attribute and item a template reaches for: a loop
+    doing anything at all passes here (and the sandbox's range() is bounded), so no render outlives its limit."""
+
+    def _check(self):
+        at = getattr(_deadline, "at", None)
+        if at is not None and time.monotonic() > at:
+            raise jinja2.exceptions.TemplateRuntimeError("rendering took longer than its time limit")
+
+    def call(self, *args, **kwargs):
+        self._check()
+        return super().call(*args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        self._check()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        self._check()
+        return super().getitem(obj, argument)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env = _TimedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals |= {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
     env.globals |= {"dict": _Dict(), "namespace": _Namespace}

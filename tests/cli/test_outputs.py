@@ -133,8 +133,13 @@ def test_outputs_in_a_folder_not_yet_there_are_written(ckpt, tmp_path):
     assert [json.loads(line)["prompt_tokens"] for line in outputs.read_text().splitlines()] == [3, 2]
 
 
-def test_compiled_sampling_on_the_cpu_is_refused_up_front(ckpt, tmp_path):
-    rc, text = launch(tmp_path, f"model.path={ckpt}", "decode.compile=on", "generate.temperature=0.8")
-    lines = error_lines(text)
-    assert rc == 1 and len(lines) == 1 and "decode.compile=on with sampling" in lines[0], text
-    assert "k3_weight_plan" not in text
+def test_compiled_step_samples_eagerly_on_the_cpu(ckpt, tmp_path):
+    """decode.compile=on compiles greedy decoding only on the CPU (inductor's code for the sampler's integer hash
+    hangs or aborts): a sampled request runs the same step eagerly and draws what the eager run draws."""
+    args = (f"model.path={ckpt}", "generate.temperature=0.8")
+    rc, text = launch(tmp_path / "c", *args, "decode.compile=on")
+    assert rc == 0, text
+    rc, eager_text = launch(tmp_path / "e", *args, "decode.compile=off")
+    assert rc == 0, eager_text
+    compiled, eager = (json.loads((tmp_path / d / "run" / "result.json").read_text()) for d in ("c", "e"))
+    assert compiled["decode_compile"] == "compile" and compiled["tokens"] == eager["tokens"]

@@ -35,8 +35,8 @@ def sweep(sweep_dir, *overrides: str, timeout: float = 240):
 
 
 def test_refused_point_is_recorded_and_the_sweep_goes_on(small_dir, tmp_path):
-    # admitted = weights (<1 MiB) + cache (80 B/token) + runtime (~100 MiB) + reserve against a stated 1 GiB: only
-    # 900MiB with a 4M-token cache (305 MiB) does not fit
+    # admitted = weights (<1 MiB) + cache (80 B/token) + runtime (~100 MiB + output buffers of 76 B/token) + reserve
+    # against a stated 1 GiB: only 900MiB with a 4M-token cache (305 MiB + 290 MiB of outputs) does not fit
     rc, text, rows, md = sweep(
         tmp_path,
         f"model.path={small_dir}",
@@ -56,13 +56,13 @@ def test_refused_point_is_recorded_and_the_sweep_goes_on(small_dir, tmp_path):
     assert all(int(r["free_bytes"]) == 2**30 > int(r["admitted_bytes"]) for r in admitted)
     assert all(float(r["load_seconds"]) > 0 and int(r["peak_bytes"]) > 0 and not r["error"] for r in admitted)
     assert int(refused["free_bytes"]) == 2**30  # as the refusal printed them: 0.1-unit precision
-    floor = 900 * 2**20 + 4_000_000 * 80  # reserve + cache; weights and runtime (activations, host allowance) on top
+    floor = 900 * 2**20 + 4_000_000 * (80 + 76)  # reserve + cache + outputs; weights, activations, allowance on top
     assert floor < int(refused["admitted_bytes"]) < floor + 256 * 2**20
-    assert refused["error"].startswith("preflight failed on 1 of 1 ranks: rank 0 needs admitted 1.2 GiB > free")
+    assert refused["error"].startswith("preflight failed on 1 of 1 ranks: rank 0 needs admitted 1.5 GiB > free")
     assert not refused["load_seconds"] and not refused["peak_bytes"]
     assert error_lines(text) == ["error: " + refused["error"]]  # printed once, by the refusing rank
     table = [line for line in md if line.startswith("| ") and line[2].isdigit()]
-    assert len(table) == 4 and "| refused | 1.2 GiB / 1.0 GiB |" in table[3]
+    assert len(table) == 4 and "| refused | 1.5 GiB / 1.0 GiB |" in table[3]
     assert "k3dist sweep: 4 points" in text and table[3] in text
 
 

@@ -27,9 +27,10 @@ def tokens(results) -> list[list[int]]:
 
 
 def test_sampling_is_identical_on_every_rank_and_seeded(model_dir):
+    """World 2 with dist.check_tokens: every window each rank's sampled ids are compared with rank 0's."""
     sampled = dict(temperature=1.0, top_p=0.9)
     per_rank = expect_ok(run_ranks(generate, 2, model_dir, _requests(**sampled), 3))
-    assert tokens(per_rank[0]) == tokens(per_rank[1])
+    assert per_rank[1] is None  # rank 1 followed rank 0's windows and never looked at a token
     again = expect_ok(run_ranks(generate, 1, model_dir, _requests(**sampled), 3))[0]
     other = [r | {"seed": r["seed"] + 50} for r in _requests(**sampled)]
     other_seed = expect_ok(run_ranks(generate, 1, model_dir, other, 3))[0]

@@ -8,9 +8,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3dist.base import dist
 from k3dist.engine.step import DecodeStep
-from k3dist.engine.engine import Engine, Prompt
+from k3dist.engine.control import Admit, Window
+from k3dist.engine.runner import Runner
 from k3dist.kernels.linear import packable
-from k3dist.engine.sampling import SamplingMode
+from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import bind, dense_layers
@@ -55,14 +56,15 @@ def model_dir(tmp_path_factory):
 def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = False) -> dict:
     rt, cfg, model, cache = bind(model_dir, "bfloat16" if packed else "float32", batch, 64, pack=packed)
     dense = dense_layers(model)
-    step = DecodeStep(model, cache, 16, SamplingMode(sample, sample))
-    engine = Engine(step, prefill_chunk=8, sync_every=4)
-    prompts = [Prompt(f"r{i}", tuple(range(3 + i, 9 + 2 * i)), 16, temperature=0.7 * sample, top_p=0.9) for i in range(batch)]
-    engine._admit([(i, i, p) for i, p in enumerate(prompts)])  # prefill every slot, outside the step
+    mode = SamplingMode(sample, sample)
+    step = DecodeStep(model, cache, (mode,))
+    runner = Runner(step, prefill_chunk=8)
+    admits = tuple(Admit(i, tuple(range(3 + i, 9 + 2 * i)), 0.7 * sample, 0.9) for i in range(batch))
+    runner.admit(admits, Window(admits, mode=mode))  # prefill every slot, outside the step
     reads, ops = HostReads(), SyncOps()
     with reads, ops:
         for _ in range(6):
-            step()
+            step(mode)
     dist.shutdown()
     return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist(), "dense": dense}
 
@@ -87,10 +89,10 @@ def test_no_host_sync_with_packed_weights_and_dense_experts(model_dir):
 def _compiled_holds(model_dir: str, steps: int) -> dict:
     """Compile the step (fullgraph), then run `steps` steps where any recompilation raises."""
     rt, cfg, model, cache = bind(model_dir, "float32", 2, 64)
-    step = DecodeStep(model, cache, steps + 1, SamplingMode(False, False), "compile")
+    step = DecodeStep(model, cache, (GREEDY,), "compile")
     step.warm_up()
-    engine = Engine(step, prefill_chunk=8, sync_every=steps)
-    engine._admit([(0, 0, Prompt("a", (5, 9, 2, 7), steps + 1)), (1, 1, Prompt("b", (11, 4, 8), steps + 1))])
+    admits = (Admit(0, (5, 9, 2, 7)), Admit(1, (11, 4, 8)))
+    Runner(step, prefill_chunk=8).admit(admits, Window(admits))
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(steps):
             step()

@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3dist.engine.engine import Engine, Prompt
-from k3dist.engine.sampling import SamplingMode
+from k3dist.engine.control import Admit, Window
+from k3dist.engine.requests import Prompt
+from k3dist.engine.sampling import GREEDY
 from k3dist.engine.step import DecodeStep
 from k3dist.model.tp import TPComm
 from tests.support.configs import small_config, twin_config
+from tests.support.harness import local_engine, run_all
 from tests.support.models import random_model
 
 pytestmark = pytest.mark.gpu
@@ -39,11 +41,12 @@ def _run(kind: str, raw: dict, dtype, backend: str, comm=None, sync_check: bool 
     cfg, model, cache = random_model(
         raw, batch=4, cap=256, dtype=dtype, seed=3, backend=backend, device="cuda", comm=comm
     )
-    step = DecodeStep(model, cache, 24, SamplingMode(False, False), kind)
+    step = DecodeStep(model, cache, (GREEDY,), kind)
     step.warm_up()
-    engine = Engine(step, prefill_chunk=16, sync_every=8)
+    engine = local_engine(step, prefill_chunk=16, sync_every=8, rt=None)
     if sync_check:  # the replays alone, under CUDA's sync debug mode: any host sync raises
-        engine._admit([(i, i, p) for i, p in enumerate(PROMPTS[:4])])
+        admits = tuple(Admit(i, p.ids) for i, p in enumerate(PROMPTS[:4]))
+        engine.runner.admit(admits, Window(admits))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -52,7 +55,7 @@ def _run(kind: str, raw: dict, dtype, backend: str, comm=None, sync_check: bool 
         finally:
             torch.cuda.set_sync_debug_mode("default")
         return None
-    return [c.tokens for c in engine.run(PROMPTS)]
+    return [c.tokens for c in run_all(engine, PROMPTS)]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -9,7 +9,7 @@ from k3dist.base import dist
 from k3dist.base.dtypes import BY_NAME
 from k3dist.config import load_config, validate_topology
 from k3dist.engine.cache import HybridCache, cache_nbytes, cache_shapes
-from k3dist.engine.sampling import SamplingMode
+from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.engine.step import DecodeStep
 from k3dist.model.build import build_model
 from k3dist.model.tp import TPComm
@@ -64,7 +64,7 @@ def teacher_forced(
     B, T = len(prompt), len(prompt[0])
     rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router, pack=pack)
     dense = dense_layers(model)
-    step = DecodeStep(model, cache, steps, SamplingMode(False, False), capture)
+    step = DecodeStep(model, cache, (GREEDY,), capture)
     step.warm_up()
     rows = torch.arange(B)
     with torch.inference_mode():
@@ -94,6 +94,22 @@ def teacher_forced(
     return rt.rank
 
 
+def local_engine(step, prefill_chunk: int = 8, sync_every: int = 8, eos=(), rt=None, check_tokens: bool = False):
+    """The engine the job builds, over `step`: a runner and the control channel of `rt` (None: a world of one)."""
+    from k3dist.engine.control import Channel
+    from k3dist.engine.engine import Engine
+    from k3dist.engine.runner import Runner
+
+    return Engine(Runner(step, prefill_chunk), Channel(rt, check_tokens), sync_every, eos)
+
+
+def run_all(engine, prompts) -> list:
+    """The offline loop over `prompts` (rank 0); completions in input order."""
+    from k3dist.offline.run import run_offline
+
+    return run_offline(engine, prompts, lambda event: None)
+
+
 def generate(
     model_dir: str,
     prompts: list[dict],
@@ -104,20 +120,25 @@ def generate(
     prefill_chunk: int = 512,
     cap: int | None = None,
     eos: tuple[int, ...] = (),
-) -> list[dict]:
-    """Run the real engine on every rank over `prompts` (Prompt fields as dicts); each rank returns its completions."""
-    from k3dist.engine.engine import Engine, Prompt
+) -> list[dict] | None:
+    """Run the real engine over `prompts` (Prompt fields as dicts): rank 0 drives it and returns its completions,
+    every other rank follows its windows (with dist.check_tokens on: every window, each rank's generated ids are
+    compared with rank 0's) and returns None."""
+    from k3dist.engine.engine import follow
+    from k3dist.engine.requests import Prompt
 
     ready = [Prompt(**({"id": f"r{i}"} | p | {"ids": tuple(p["ids"])})) for i, p in enumerate(prompts)]
     longest = max(len(p.ids) + p.max_new_tokens for p in ready)
     rt, cfg, model, cache = bind(model_dir, dtype, batch, cap or longest)
-    mode = SamplingMode(
-        sample=any(p.temperature > 0 for p in ready),
-        filtered=any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ready),
-    )
-    step = DecodeStep(model, cache, max(p.max_new_tokens for p in ready), mode, capture)
+    step = DecodeStep(model, cache, (SamplingMode.covering(p.mode for p in ready),), capture)
     step.warm_up()
-    engine = Engine(step, prefill_chunk, sync_every, eos)
-    out = engine.run(ready)
+    engine = local_engine(step, prefill_chunk, sync_every, eos, rt, check_tokens=True)
+    out = None
+    if rt.rank == 0:
+        out = [
+            {"tokens": c.tokens, "finish_reason": c.finish_reason, "top": c.top_logits} for c in run_all(engine, ready)
+        ]
+    else:
+        follow(engine.runner, engine.channel)
     dist.shutdown()
-    return [{"tokens": c.tokens, "finish_reason": c.finish_reason, "top": c.top_logits} for c in out]
+    return out

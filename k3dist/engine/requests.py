@@ -1,0 +1,53 @@
+"""What flows through the engine: a request made ready (Prompt), its result (Completion), and what each step of the
+engine reports about it (Event)."""
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingMode
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request made ready for the engine: token ids and its own budget, sampling, stops and log-probabilities."""
+
+    id: str
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 5)
+
+    @property
+    def mode(self) -> SamplingMode:
+        return SamplingMode.of(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class Completion:
+    id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str = "length"  # stop (eos or a stop string), length (the budget), abort
+    top_logits: list = field(default_factory=list)  # per token: [[token_id, logit] x 5]
+    logprobs: list = field(default_factory=list)  # with Prompt.logprobs: per token (logprob, [(id, logprob) x k])
+
+
+@dataclass
+class Event:
+    """What one engine step did for one request: new tokens (and their text), and on the last event of a request its
+    finish reason and whole completion."""
+
+    id: str
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)  # with Prompt.logprobs: per new token, as in Completion.logprobs
+    finish_reason: str | None = None
+    completion: Completion | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

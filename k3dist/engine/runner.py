@@ -1,0 +1,107 @@
+"""What every rank does with a window record: reset and prefill the admitted requests' slots, then decode.
+
+The same records reach every rank in the same order (control.py), so every rank runs the same prefills and the same
+steps on its own shard and the collectives inside them pair up. Nothing here reads generated tokens: that is rank
+0's business (engine.py). Nothing is ever padded: a prompt only ever touches its own slot's state.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..base.faults import Faults
+from .control import Admit, Window
+from .step import DecodeStep
+
+
+def prefills_together(device_type: str) -> bool:
+    """Whether same-length prompts are prefilled as one batch (CUDA: bigger GEMMs) or one sequence at a time (CPU:
+    a batch gains no arithmetic efficiency there and its chunk activations fall out of cache; benchmarks/prefill.py
+    measured four 2048-token prompts at 4.2-9x one when prefilled together). runtime.py sizes prefill by it."""
+    return device_type == "cuda"
+
+
+@dataclass
+class Timings:
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens live slots produced in decode steps (counted by rank 0's engine)
+    window_step_seconds: list[float] = field(default_factory=list)  # per window: its time / its steps
+
+    def step_ms(self) -> dict:
+        ms = sorted(s * 1e3 for s in self.window_step_seconds)
+        pick = lambda q: ms[min(int(q * len(ms)), len(ms) - 1)] if ms else 0.0  # noqa: E731
+        return {"p50": pick(0.5), "p90": pick(0.9)}
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Runner:
+    def __init__(self, step: DecodeStep, prefill_chunk: int, faults: Faults | None = None, rank: int = 0):
+        self.step, self.model, self.cache = step, step.model, step.cache
+        self.prefill_chunk, self.faults, self.rank = prefill_chunk, faults or Faults(), rank
+        self.device = self.cache.positions.device
+        self.timings = Timings()
+        self.stage = "prefill"  # what the rank is doing: prefill or decode (named in a failure)
+
+    def run(self, window: Window) -> None:
+        if window.admit:
+            self.admit(window.admit, window)
+        if window.steps:
+            self.decode(window)
+
+    def admit(self, admitted: tuple[Admit, ...], window: Window) -> None:
+        """Reset the slots, prefill their prompts (same-length ones together where `prefills_together`), emit each
+        first token."""
+        self.stage = "prefill"
+        self.faults.after_load(self.rank, "prefill")
+        _sync(self.device)
+        start = time.perf_counter()
+        together = prefills_together(self.device.type)
+        groups: dict[tuple[int, int | None], list[Admit]] = {}
+        for a in admitted:  # keyed by (length, slot), the slot left out where prompts go together
+            groups.setdefault((len(a.ids), None if together else a.slot), []).append(a)
+        with torch.inference_mode():
+            for (length, _), items in groups.items():
+                self._reset(items)
+                rows = torch.tensor([a.slot for a in items], device=self.device)
+                ids = torch.tensor([list(a.ids) for a in items], device=self.device)
+                for at in range(0, length, self.prefill_chunk):
+                    logits = self.model.prefill(ids[:, at : at + self.prefill_chunk], rows, at)
+                self.cache.positions.index_fill_(0, rows, length)
+                self.step.emit(logits, rows, window.mode)
+        _sync(self.device)
+        self.timings.prefill_seconds += time.perf_counter() - start
+
+    def _reset(self, items: list[Admit]) -> None:
+        """Empty the slots and load their requests' sampling settings (host-to-device writes, outside any step)."""
+        s = self.step
+        for a in items:
+            self.cache.reset_slot(a.slot)
+            s.gen[a.slot] = 0
+            s.temperature[a.slot], s.top_p[a.slot], s.top_k[a.slot], s.seed[a.slot] = (
+                a.temperature,
+                a.top_p,
+                a.top_k,
+                a.seed,
+            )
+
+    def decode(self, window: Window) -> None:
+        self.stage = "decode"
+        self.step.rows = window.rows
+        self.faults.after_load(self.rank, "decode")
+        start = time.perf_counter()
+        for _ in range(window.steps):
+            self.step(window.mode)
+        _sync(self.device)
+        elapsed = time.perf_counter() - start
+        self.timings.decode_seconds += elapsed
+        self.timings.window_step_seconds.append(elapsed / window.steps)

@@ -1,0 +1,90 @@
+"""After the load, on every rank: bind the model to its cache, build the step, the runner and the engine, then run the
+offline front (prompts in, result.json out) or the server. Rank 0 drives the engine; every other rank follows its
+window records until the shutdown one."""
+
+import os
+import sys
+import threading
+
+from ..base import dist
+from ..config import ModelConfig
+from ..engine.cache import HybridCache
+from ..engine.control import Channel
+from ..engine.engine import Engine, follow
+from ..engine.runner import Runner
+from ..engine.step import DecodeStep
+from ..kernels.backend import select
+from ..model.build import build_model
+from ..model.tp import TPComm
+from ..offline.output import Output
+from ..offline.run import run_offline
+from ..settings import Settings
+from ..weights.memory import start_peak_window, window_peak
+from . import signals
+from .failures import after_load
+
+
+def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    return tokenizer.eos_ids if tokenizer else tuple(t for t in (cfg.eos_token_id,) if t is not None)
+
+
+def text_assembler(tokenizer):
+    """Prompt -> its TextAssembler (stop strings, streaming-safe text), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    from ..text.stream import TextAssembler
+
+    return lambda prompt: TextAssembler(tokenizer, prompt.stop, tokenizer.eos_ids)
+
+
+def generate(s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pack, text, prompts, listener, model_dir):
+    """`text`, `prompts`: rank 0's (the tokenizer; the offline requests); `listener`: the server's socket."""
+    cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
+    comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
+    kernels = select(s.kernels.backend, rt.device)
+    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack)
+    step = DecodeStep(model, cache, modes, kind)
+    runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank)
+    channel = Channel(rt, s.dist.check_tokens)
+    dist.abort_on_peer_failure(rt)
+    held = start_peak_window(rt.device)
+    after_load("warm-up", rt, step.warm_up)
+    facts = {"warmup_seconds": step.warmup_seconds, "kernels": model.kernels.name, "decode_compile": step.kind}
+    facts["packed_weights"] = pack
+    pids = [r["pid"] for r in dist.exchange({"pid": os.getpid()}, rt)] if s.run.mode == "serve" else None
+    if not rt.is_main:
+        if s.run.mode == "serve":  # a signal here waits for rank 0's drain, which ends this rank too
+            limit = s.serve.drain_s + 10
+            signals.defer(lambda signum: threading.Timer(limit, signals.end, (signum,)).start())
+        code = after_load(lambda: runner.stage, rt, lambda: follow(runner, channel))
+        if code:  # the server ended for a signal: rank 0 printed the line and exits with the same code
+            sys.stdout.flush()
+            os._exit(code)
+        peak = window_peak(rt.device) - held
+        return facts | {"runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": peak}}
+    tokenizer = text.tokenizer if text else None
+    engine = Engine(runner, channel, s.decode.sync_every, eos_ids(cfg, tokenizer), text_assembler(tokenizer))
+    if s.run.mode == "serve":
+        from ..serve.server import serve
+
+        return facts | serve(s, rt, engine, text, cfg, listener, model_dir, pids)
+    out = Output(s, rt, prompts)
+    completions = after_load(lambda: runner.stage, rt, lambda: run_offline(engine, prompts, out.on_event))
+    runtime_peak = window_peak(rt.device) - held
+    out.close(completions)
+    t = engine.timings
+    return (
+        facts
+        | {
+            "prompt": [list(p.ids) for p in prompts],
+            "tokens": [c.tokens for c in completions],
+            "text": [c.text for c in completions],
+            "finish_reason": [c.finish_reason for c in completions],
+            "top_logits": [c.top_logits for c in completions],
+            "prefill_seconds": t.prefill_seconds,
+            "decode_tokens_per_second": t.decode_tokens_per_second,
+            "step_ms": t.step_ms(),
+            "runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": runtime_peak},
+        }
+        | out.paths()
+    )

@@ -1,0 +1,236 @@
+"""The HTTP front (FastAPI): OpenAI's completions and chat routes, streamed as server-sent events or whole, plus
+/v1/models, /health and /metrics. Every refusal is an OpenAI error envelope; nothing a request holds reaches the
+engine before it has been checked, tokenized and found to fit."""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..base.errors import K3Error
+from .errors import APIError, bad
+from .loop import EngineLoop, Failure
+from .protocol import ChatRequest, CompletionRequest, budget, choices, completion_ids, parse_body
+from .responses import Shape, usage
+
+log = logging.getLogger("k3dist")
+
+
+class Front:
+    """What the routes need: the engine loop, the text tools, the model's name and limits."""
+
+    def __init__(self, loop: EngineLoop, text, model_name: str, cap: int, vocab: int, api_key, max_body: int):
+        self.loop, self.text, self.model_name = loop, text, model_name
+        self.cap, self.vocab, self.api_key, self.max_body = cap, vocab, api_key, max_body
+        self.unknown_logged: set[str] = set()
+
+
+class _Responding:
+    """ASGI middleware: counts each HTTP response from its start until its last byte is sent, so the process ends
+    only after every answer (an error included) has left (EngineLoop.flushed)."""
+
+    def __init__(self, app, loop: EngineLoop):
+        self.app, self.loop = app, loop
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.loop.responding(+1)
+        done = False
+
+        async def sending(message):
+            nonlocal done
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not done:
+                done = True
+                self.loop.responding(-1)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            if not done:
+                self.loop.responding(-1)
+
+
+def build_app(front: Front) -> FastAPI:
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Responding, loop=front.loop)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        what = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return APIError(exc.status_code, f"{what}: {request.method} {request.url.path}").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc):
+        return bad(str(exc)[:300]).response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if front.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
+                return APIError(
+                    401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key"
+                ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if front.loop.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": front.loop.state, "error": front.loop.failure}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(front.loop.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": front.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "k3dist",
+            "max_model_len": front.cap,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(front, request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _generate(front, request, ChatRequest)
+
+    return app
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (by its Content-Length, or as it streams in)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the body has {declared} bytes; serve.max_body={limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the body is over serve.max_body={limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _encode(front: Front, req) -> list[int]:
+    """Prompt ids, through the chat template for chat (in a worker thread: tokenizing is CPU work)."""
+    try:
+        if isinstance(req, ChatRequest):
+            return front.text.encode_chat(req.messages, "messages", req.tools)
+        return completion_ids(req, front.text.tokenizer, front.vocab)
+    except K3Error as exc:
+        raise bad(str(exc), "messages" if isinstance(req, ChatRequest) else "prompt") from None
+
+
+async def _generate(front: Front, request: Request, kind):
+    arrived = time.monotonic()
+    req = parse_body(await _body(request, front.max_body), kind)
+    for name in set(req.model_extra or ()) - front.unknown_logged:
+        front.unknown_logged.add(name)
+        log.warning("k3_serve_unknown_field name=%s (ignored)", name)
+    if req.model is not None and req.model != front.model_name:
+        raise bad(
+            f"model {req.model!r} is not served here (this server serves {front.model_name!r})",
+            "model",
+            "model_not_found",
+        )
+    ids = await run_in_threadpool(_encode, front, req)
+    max_new = budget(req, len(ids), front.cap)
+    chat = kind is ChatRequest
+    logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    shape = Shape(request_id, front.model_name, chat, front.text.tokenizer, ids if req.return_token_ids else None)
+    prompts = choices(req, shape.id, ids, max_new, logprobs)
+    events: asyncio.Queue = asyncio.Queue()
+    aio = asyncio.get_running_loop()
+    front.loop.submit(prompts, lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev), arrived)
+    index = {p.id: i for i, p in enumerate(prompts)}
+    if req.stream:
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(front, shape, events, index, len(ids), include, logprobs is not None),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    return await _whole(front, request, shape, events, index, len(ids))
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored):
+    pending, produced, offsets = dict(index), 0, [0] * len(index)
+    try:
+        if shape.chat:
+            for i in range(len(index)):
+                yield _sse(shape.chunk(i, "", None, None, first=True, usage=include_usage))
+        while pending:
+            ev = await events.get()
+            if isinstance(ev, Failure):
+                yield _sse(APIError(ev.status, ev.message).body)
+                return
+            i = index[ev.id]
+            logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
+            offsets[i] += len(ev.text)
+            if ev.text or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
+                chunk = shape.chunk(i, ev.text, ev.finish_reason, logprobs, False, include_usage, ev.tokens)
+                yield _sse(chunk)
+            if ev.finished:
+                del pending[ev.id]
+                produced += len(ev.completion.tokens)
+        if include_usage:
+            yield _sse(shape.usage_chunk(usage(prompt_len, produced)))
+        yield "data: [DONE]\n\n"
+    finally:
+        if pending:  # the client went away (or the server failed): free the slots at the next window
+            front.loop.abort(list(pending))
+
+
+async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int):
+    results = [{"text": "", "tokens": [], "logprobs": [], "finish": None} for _ in index]
+    pending = dict(index)
+    try:
+        while pending:
+            try:
+                ev = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if isinstance(ev, Failure):
+                raise APIError(ev.status, ev.message, code="engine_failed" if ev.status == 500 else "unavailable")
+            r = results[index[ev.id]]
+            r["text"] += ev.text
+            r["tokens"] += ev.tokens
+            r["logprobs"] += ev.logprobs
+            if ev.finished:
+                r["finish"] = ev.finish_reason
+                del pending[ev.id]
+        body = shape.whole(results, usage(prompt_len, sum(len(r["tokens"]) for r in results)))
+        return JSONResponse(body)
+    finally:
+        if pending:
+            front.loop.abort(list(pending))

@@ -1,0 +1,181 @@
+"""The engine loop on rank 0's main thread, and the thread-safe door the HTTP side uses to reach it.
+
+HTTP handlers (uvicorn's thread) `submit` a request's choices with a sink for their events and `abort` them when
+the client goes away; they never touch the engine. The main thread takes what came in at the top of every window,
+steps the engine (which sends the window to every rank), and hands each event to its request's sink. Idle, it waits
+for the next request and sends a heartbeat record at least every `heartbeat_s`. A signal starts the drain: no new
+requests, in-flight ones may finish for `serve.drain_s`, then the ranks are told to stop. A failure anywhere in a
+step fails every request still in flight before it ends the process.
+"""
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine.engine import Engine
+from ..engine.requests import Event, Prompt
+from .metrics import Metrics
+from .protocol import raise_unavailable
+
+STALE_S = 60.0  # /health turns 503 when the loop has not come round for this long (a window that hangs)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a request's sink gets instead of its events when the engine died or the server stopped first."""
+
+    message: str
+    status: int = 500
+
+
+@dataclass
+class _Tracked:
+    sink: Callable
+    arrived: float
+    first: float | None = None
+    last: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, drain_s: float):
+        self.engine, self.metrics = engine, metrics
+        self.max_waiting, self.drain_s = max_waiting, drain_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._queued = 0  # prompts submitted, not yet handed to the engine
+        self._active = 0  # HTTP responses still being written
+        self._tracked: dict[str, _Tracked] = {}  # main thread only
+        self.state = "serving"  # serving -> draining -> stopped, or dead
+        self.failure: str | None = None
+        self.last_tick = time.monotonic()
+        self._drain_at: float | None = None
+        self.signum: int | None = None
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(self, prompts: list[Prompt], sink: Callable, arrived: float) -> None:
+        """Queue a request's choices; refused with a 503 when draining, dead or the waiting queue is full."""
+        with self._lock:
+            if self.state != "serving":
+                raise_unavailable("the server is shutting down" if self.state != "dead" else f"{self.failure}")
+            waiting = self._queued + len(self.engine.waiting)
+            if waiting + len(prompts) > self.max_waiting + len(self.engine.free):
+                raise_unavailable(f"{waiting} requests are waiting (serve.max_waiting={self.max_waiting})")
+            self._queued += len(prompts)
+            self._inbox.put(("add", prompts, sink, arrived))
+        self._wake.set()
+
+    def abort(self, ids: list[str]) -> None:
+        self._inbox.put(("abort", ids))
+        self._wake.set()
+
+    def drain(self, signum: int) -> None:
+        """A signal: stop taking requests; in-flight ones get `drain_s` to finish."""
+        with self._lock:
+            if self.state == "serving":
+                self.state, self.signum = "draining", signum
+                self._drain_at = time.monotonic() + self.drain_s
+        self._wake.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "serving" and time.monotonic() - self.last_tick < STALE_S
+
+    def responding(self, delta: int) -> None:
+        """The HTTP side counts the responses it is still writing, so the process ends only after they are sent."""
+        with self._lock:
+            self._active += delta
+
+    def flushed(self, timeout_s: float = 3.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._active > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    # ------------------------------------------------------------------ the main thread
+
+    def run(self) -> int:
+        """Serve until a signal's drain is over; returns the exit code (128 + the signal). A failure in a step fails
+        every request in flight and is raised again."""
+        try:
+            while True:
+                self._take()
+                if self.state == "draining" and (not self.engine.busy or time.monotonic() > self._drain_at):
+                    break
+                if self.engine.busy:
+                    self._dispatch(self.engine.step())
+                elif not self._wake.wait(self.engine.channel.heartbeat_s):
+                    self.engine.heartbeat()
+                self._wake.clear()
+                self.last_tick = time.monotonic()
+                self._gauges()
+            self._fail_all("the server shut down before the request finished", status=503)
+            self.engine.shutdown(128 + self.signum)
+            self.state = "stopped"
+            return 128 + self.signum
+        except BaseException as exc:
+            self.state, self.failure = "dead", f"the engine failed: {type(exc).__name__}: {exc}"
+            self._fail_all(self.failure)
+            raise
+
+    def _take(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                _, prompts, sink, arrived = item
+                with self._lock:
+                    self._queued -= len(prompts)
+                for p in prompts:
+                    self._tracked[p.id] = _Tracked(sink, arrived)
+                    self.engine.add(p)
+                    self.metrics.prompt_tokens.inc(len(p.ids))
+            else:
+                for request_id in item[1]:
+                    self.engine.abort(request_id)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        now, m = time.monotonic(), self.metrics
+        for ev in events:
+            t = self._tracked.get(ev.id)
+            if t is None:
+                continue
+            if ev.tokens:
+                m.generation_tokens.inc(len(ev.tokens))
+                if t.first is None:
+                    t.first = now
+                    m.ttft.observe(now - t.arrived)
+                else:  # a window's tokens arrive together: its time is split among them
+                    gap = (now - t.last) / len(ev.tokens)
+                    for _ in ev.tokens:
+                        m.itl.observe(gap)
+                t.last = now
+            if ev.finished:
+                del self._tracked[ev.id]
+                m.requests.labels(ev.finish_reason).inc()
+                m.e2e.observe(now - t.arrived)
+            if ev.finish_reason != "abort":
+                t.sink(ev)
+
+    def _gauges(self) -> None:
+        live = len(self.engine.live)
+        self.metrics.running.set(live)
+        self.metrics.slots_used.set(live)
+        self.metrics.waiting.set(len(self.engine.waiting) + self._queued)
+
+    def _fail_all(self, message: str, status: int = 500) -> None:
+        """Every request still in flight (queued, waiting or in a slot) gets `message` instead of its end."""
+        with self._lock:
+            if self.state == "serving":
+                self.state = "draining"
+        self._take()
+        failure = Failure(message, status)
+        for request_id, t in list(self._tracked.items()):
+            self.engine.abort(request_id)
+            t.sink(failure)
+        self._tracked.clear()
+        self._gauges()

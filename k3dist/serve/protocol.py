@@ -1,0 +1,161 @@
+"""The OpenAI request bodies this server takes, checked field by field (types strict, numbers finite and in range),
+and turned into engine Prompts: one per choice (`n`), each with its own derived seed.
+
+Fields the models do not declare are ignored; the app logs each unknown name once. Everything a body can hold is
+bounded here or by `serve.max_body`: stop strings by count and length, JSON by depth, prompts by `cache.cap`.
+"""
+
+import json
+import secrets
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..engine.requests import Prompt
+from .errors import APIError, bad
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # per request (OpenAI allows 4)
+MAX_DEPTH = 32  # JSON nesting a body may have (tools schemas nest; nothing needs more)
+MAX_N = 16
+TOP_LOGPROBS = 5  # the step keeps the 5 best logits per token
+INT64 = 2**63
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    """What completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # an extension (vLLM's): 0 or -1 = no cut
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # an extension (vLLM's): token_ids per choice, prompt_token_ids
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    echo: bool = False
+
+
+class ChatRequest(Sampling):
+    messages: list[dict]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    tools: list[dict] | None = None
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    """Bytes -> a checked request; every problem is a 400 naming the field."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise bad(f"the body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"the body is not valid JSON ({str(exc)[:200]})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad(f"the body must be a JSON object, got {type(data).__name__}")
+    if _depth(data) > MAX_DEPTH:
+        raise bad(f"the body nests deeper than {MAX_DEPTH} levels")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise bad(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+    _check_text(data)
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stop) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad(f"stop takes at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
+    if getattr(req, "echo", False):
+        raise bad("echo is not supported", "echo")
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+    return req
+
+
+def _depth(value, limit: int = MAX_DEPTH + 1) -> int:
+    """Nesting depth of parsed JSON, counted without recursion and no further than `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth < limit:
+                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _check_text(value) -> None:
+    """Every string must be text the tokenizer can take: a lone surrogate (\\ud800) is refused here."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("the body holds a string that is not valid Unicode (a lone surrogate)") from None
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def budget(req: Sampling, prompt_len: int, cap: int) -> int:
+    """max_tokens (chat: max_completion_tokens first), checked against the cache; default: the rest of the cache."""
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if not prompt_len:
+        raise bad("the prompt is empty", "prompt" if isinstance(req, CompletionRequest) else "messages")
+    if asked is None:
+        if prompt_len >= cap:
+            raise bad(f"the prompt has {prompt_len} tokens; cache.cap={cap} leaves no room for any new token")
+        return cap - prompt_len
+    if prompt_len + asked > cap:
+        raise bad(
+            f"the prompt has {prompt_len} tokens and max_tokens={asked}: {prompt_len + asked} > cache.cap={cap}",
+            "max_tokens",
+        )
+    return asked
+
+
+def choices(req: Sampling, request_id: str, ids: list[int], max_new: int, logprobs: int | None) -> list[Prompt]:
+    """One engine Prompt per choice; without a seed rank 0 draws one (the record carries it to every rank)."""
+    seed = req.seed if req.seed is not None else secrets.randbits(62)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    common = dict(ids=tuple(ids), max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p)
+    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs)
+    return [Prompt(f"{request_id}-{i}", seed=(seed + i + INT64) % (2 * INT64) - INT64, **common) for i in range(req.n)]
+
+
+def completion_ids(req: CompletionRequest, tokenizer, vocab: int) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise bad("one prompt per request: send a list of several prompts as separate requests", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    out = [t for t in prompt if t < 0 or t >= vocab]
+    if out:
+        raise bad(f"prompt token ids {out[:5]} are outside the vocabulary (0..{vocab - 1})", "prompt")
+    return list(prompt)
+
+
+def raise_unavailable(message: str, retry_after: int = 1) -> None:
+    raise APIError(503, message, code="unavailable", retry_after=retry_after)

@@ -1,0 +1,72 @@
+"""run.mode=serve on rank 0: the listening socket (bound before the load, so a taken port is refused up front),
+uvicorn in a thread of its own, the engine loop in the main thread, and the end: drained after a signal (exit
+128 + signal), or failed loudly with every request answered first."""
+
+import logging
+import socket
+import sys
+import threading
+import time
+
+from ..base import dist
+from ..base.errors import K3Error
+from ..run import signals
+from ..run.failures import after_load
+from .app import Front, build_app
+from .loop import EngineLoop
+from .metrics import Metrics
+
+log = logging.getLogger("k3dist")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening (port 0: a free one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        raise K3Error(f"serve.host={host} serve.port={port}: cannot listen there ({exc.strerror or exc})") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(s, rt: dist.Runtime, engine, text, cfg, sock: socket.socket, model_dir, pids: list[int]) -> dict:
+    """Serve until a signal ends the drain (the process exits here with 128 + signal) or a failure is raised.
+    `pids`: every rank's process id, named in the ready line (which process is which rank)."""
+    import uvicorn
+
+    name = s.serve.model_name or model_dir.name
+    metrics = Metrics(s.generate.batch)
+    loop = EngineLoop(engine, metrics, s.serve.max_waiting, s.serve.drain_s)
+    front = Front(loop, text, name, s.cache.cap, cfg.vocab_size, s.serve.api_key, s.serve.max_body)
+    config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="k3dist-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise K3Error(f"rank 0: the HTTP server did not start on {s.serve.host}:{s.serve.port}")
+        time.sleep(0.01)
+    signals.defer(loop.drain)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"k3dist: serving {name!r} at http://{host}:{port}/v1 (world {rt.world}, {s.generate.batch} slots of "
+        f"{s.cache.cap} tokens; rank pids {' '.join(map(str, pids))})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        code = after_load(lambda: engine.runner.stage, rt, loop.run)
+    except K3Error:
+        loop.flushed()  # every request in flight has its error before the process ends
+        raise
+    loop.flushed()  # every answer sent, then uvicorn closes its connections
+    server.should_exit = True
+    thread.join(timeout=3)
+    signals.end(code - 128)  # the one line (where this process speaks for the run), exit 128 + signal
+    return {}  # pragma: no cover - end() does not return
