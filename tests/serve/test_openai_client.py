@@ -22,7 +22,8 @@ def reference(serve_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("offline")
     prompt = "[" + ",".join(map(str, PROMPT_IDS)) + "]"
-    rc, text, result = run_cli(tmp, f"model.path={serve_dir}", f"generate.prompt={prompt}", "generate.max_new_tokens=12")
+    args = (f"model.path={serve_dir}", f"generate.prompt={prompt}", "generate.max_new_tokens=12")
+    rc, text, result = run_cli(tmp, *args)
     assert rc == 0, text
     tokens = result["tokens"][0]
     model = KimiLinearForCausalLM.from_pretrained(serve_dir, dtype=torch.float32).eval()
@@ -100,9 +101,7 @@ def test_chat_whole_and_streamed_agree(server, serve_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
     whole = c.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=10, temperature=0)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
-    stream = c.chat.completions.create(
-        model=server.model, messages=messages, max_tokens=10, temperature=0, stream=True
-    )
+    stream = c.chat.completions.create(model=server.model, messages=messages, max_tokens=10, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == whole.choices[0].message.content
