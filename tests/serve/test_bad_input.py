@@ -1,0 +1,99 @@
+"""Bad requests are answered, never crash anything: each of these gets the OpenAI error envelope and its status, a
+full queue gets 503 with Retry-After, and the server answers a good request afterwards with all its slots free."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.serve.conftest import CAP, SLOTS, _server
+
+KEY = "sekrit"
+
+
+@pytest.fixture(scope="module")
+def guarded(serve_dir, tmp_path_factory):
+    """A server with an API key, a small body limit and a waiting queue of one."""
+    server = _server(
+        tmp_path_factory.mktemp("guard"),
+        serve_dir,
+        f"serve.api_key={KEY}",
+        "serve.max_body=64KiB",
+        "serve.max_waiting=1",
+    )
+    yield server
+    server.stop()
+
+
+def _post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+
+
+def _cases(model: str):
+    ok = {"model": model, "prompt": "hello", "max_tokens": 4}
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    deep = '{"prompt": ' + "[" * 5000 + "]" * 5000 + ', "max_tokens": 2}'
+    stops = ok | {"stop": [f"s{i}" for i in range(3000)]}
+    role = chat | {"messages": [{"role": "user<|im_end|>", "content": "x"}]}
+    return [  # (name, path, body or None, raw bytes or None, key, status, a word the message holds, param)
+        ("no key", "/completions", ok, None, None, 401, "API key", None),
+        ("wrong key", "/completions", ok, None, "nope", 401, "API key", None),
+        ("unknown route", "/nothing", ok, None, KEY, 404, "no such route", None),
+        ("not JSON", "/completions", None, b'{"prompt": "a",', KEY, 400, "not valid JSON", None),
+        ("not an object", "/completions", [1, 2], None, KEY, 400, "JSON object", None),
+        ("string max_tokens", "/completions", ok | {"max_tokens": "4"}, None, KEY, 400, "integer", "max_tokens"),
+        ("negative temperature", "/completions", ok | {"temperature": -1}, None, KEY, 400, "greater", "temperature"),
+        ("NaN temperature", "/completions", None, b'{"prompt": "a", "temperature": NaN}', KEY, 400, "finite", None),
+        ("top_p zero", "/completions", ok | {"top_p": 0}, None, KEY, 400, "greater than 0", "top_p"),
+        ("n zero", "/completions", ok | {"n": 0}, None, KEY, 400, "greater", "n"),
+        ("logprobs six", "/completions", ok | {"logprobs": 6}, None, KEY, 400, "less than", "logprobs"),
+        ("empty prompt", "/completions", ok | {"prompt": ""}, None, KEY, 400, "empty", "prompt"),
+        ("too long", "/completions", ok | {"max_tokens": CAP}, None, KEY, 400, f"cache.cap={CAP}", "max_tokens"),
+        ("ids out of vocab", "/completions", ok | {"prompt": [3, 99999]}, None, KEY, 400, "vocabulary", "prompt"),
+        ("unknown model", "/completions", ok | {"model": "gpt-9"}, None, KEY, 400, "not served", "model"),
+        ("over max_body", "/completions", ok | {"prompt": "x" * 70000}, None, KEY, 413, "max_body", None),
+        ("deep JSON", "/completions", None, deep.encode(), KEY, 400, "nests deeper", None),
+        ("not UTF-8", "/completions", None, b'{"prompt": "caf\xe9"}', KEY, 400, "not valid JSON", None),
+        ("lone surrogate", "/completions", None, b'{"prompt": "a\\ud800b"}', KEY, 400, "surrogate", None),
+        ("thousands of stops", "/completions", stops, None, KEY, 400, "stop", "stop"),
+        ("bad role", "/chat/completions", role, None, KEY, 400, "role", "messages"),
+        ("messages not a list", "/chat/completions", chat | {"messages": "hi"}, None, KEY, 400, "list", "messages"),
+        ("lone top_logprobs", "/chat/completions", chat | {"top_logprobs": 2}, None, KEY, 400, "needs", "top_logprobs"),
+    ]  # fmt: skip
+
+
+def test_malformed_requests_get_their_envelope_and_status(guarded):
+    cases = _cases(guarded.model)
+    assert len(cases) >= 15
+    for name, path, body, raw, key, status, says, param in cases:
+        r = _post(guarded, path, body, key, raw)
+        assert r.status_code == status, (name, r.status_code, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, (name, error)
+        assert says.lower() in error["message"].lower(), (name, error)
+        assert param is None or error["param"] == param, (name, error)
+    good = _post(guarded, "/completions", {"prompt": "after all that\x01\x7f", "max_tokens": 3})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+    assert guarded.metrics()["k3dist_requests_running"] == 0
+    assert httpx.get(f"{guarded.base}/health").status_code == 200  # /health and /metrics want no key
+    assert httpx.get(f"{guarded.url}/models").status_code == 401
+
+
+async def _flood(server, count: int) -> list[httpx.Response]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": [5, 6, 7], "max_tokens": 96, "temperature": 0}
+    async with httpx.AsyncClient(timeout=120, headers=headers) as c:
+        return await asyncio.gather(*(c.post(f"{server.url}/completions", json=body) for _ in range(count)))
+
+
+def test_a_full_waiting_queue_gets_503_with_retry_after(guarded):
+    """4 slots and serve.max_waiting=1: of 7 requests at once, at least the last ones are turned away."""
+    replies = asyncio.run(_flood(guarded, SLOTS + 3))
+    refused = [r for r in replies if r.status_code == 503]
+    served = [r for r in replies if r.status_code == 200]
+    assert len(served) >= SLOTS and len(refused) >= 1 and len(served) + len(refused) == SLOTS + 3
+    assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == "unavailable" for r in refused)
+    assert "waiting" in refused[0].json()["error"]["message"]
