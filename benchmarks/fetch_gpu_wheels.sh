@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/ with the wheels the GPU machine lacks (it has Python 3.12, torch, pyyaml, tqdm, but no Hydra and no
 # registry to fetch from): hydra-core, omegaconf, and antlr4-python3-runtime, which PyPI ships as an sdist only,
-# so it is built here into a pure-Python wheel. Run once from anywhere; gpu_check.sh installs what it finds there.
+# so it is built here into a pure-Python wheel; the serve extra and the openai client with their dependencies. Run once from anywhere; gpu_check.sh installs what it finds there.
 # .whl/ stays out of git through .git/info/exclude (a local rule, not .gitignore); name it in the run's carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,9 @@ grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl hydra-core==1.3.2 omegaconf==2.3.0
+python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl fastapi uvicorn prometheus-client openai httpx
 
 # No wheel on PyPI: build one (pure Python, so any interpreter here builds the same py3-none-any wheel).
 if ! ls .whl/antlr4_python3_runtime-4.9.3-*.whl >/dev/null 2>&1; then

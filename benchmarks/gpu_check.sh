@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_check.sh          (carry .whl: benchmarks/fetch_gpu_wheels.sh fills it here, once)
 # Steps, each under its own `timeout`, all within GPU_CHECK_BUDGET seconds (default 460), going on after failures:
 # nvidia-smi; the twin checkpoint; pytest -m gpu; decode on CUDA (graphs and eager, batch 1 8 64); the KDA/MLA
-# kernel benchmark; load on CUDA. Output in $OUT (default /tmp/gpu_check), six files: gpu_check.log (everything
-# printed), summary.json (per step: exit code, seconds, limit), pytest.xml, decode.json, kda_kernel.json, load.json.
+# kernel benchmark; a serve smoke test (a graph per sampling mode, the openai client, 8 concurrent streams, SIGTERM);
+# load on CUDA. Output in $OUT (default /tmp/gpu_check), seven files: gpu_check.log (everything printed),
+# summary.json (per step: exit code, seconds, limit), pytest.xml, decode.json, kda_kernel.json, serve.json, load.json.
 # Exit 0: every step passed; 1: a step failed or timed out; 2: no CUDA device here (nothing run; the JSON says so).
 # GPU_CHECK_DRY=1 runs every step even without a GPU (they fail fast): a rehearsal of the script itself.
 set -u
@@ -68,7 +69,7 @@ sys.exit(0 if env["device"] else 3)
 EOF
 if [ $? -ne 0 ] && [ -z "${GPU_CHECK_DRY:-}" ]; then
     echo "gpu_check: no CUDA device visible to python3's torch: nothing to check on this machine"
-    for name in decode kda_kernel load; do
+    for name in decode kda_kernel serve load; do
         echo '{"skipped": "no CUDA device"}' >"$OUT/$name.json"
     done
     summary "skipped: no CUDA device"
@@ -87,6 +88,7 @@ step pytest-gpu 120 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --jun
 step decode 180 python3 benchmarks/decode.py --device cuda --batches 1 8 64 --compile auto off --timeout 60 \
     --json "$OUT/decode.json" --out-md "$WORK/decode-cuda.md"
 step kda_kernel 90 python3 benchmarks/kda_kernel.py --json "$OUT/kda_kernel.json"
+step serve 90 python3 benchmarks/serve_smoke.py --device cuda --batch 8 --json "$OUT/serve.json"
 step load 60 python3 benchmarks/load.py --device cuda --worlds 1 --repeats 3 --timeout 40 \
     --json "$OUT/load.json" --out-md "$WORK/load-cuda.md"
 

@@ -2,6 +2,7 @@
 uvicorn in a thread of its own, the engine loop in the main thread, and the end: drained after a signal (exit
 128 + signal), or failed loudly with every request answered first."""
 
+import importlib.util
 import logging
 import socket
 import sys
@@ -12,15 +13,15 @@ from ..base import dist
 from ..base.errors import K3Error
 from ..run import signals
 from ..run.failures import after_load
-from .app import Front, build_app
-from .loop import EngineLoop
-from .metrics import Metrics
 
 log = logging.getLogger("k3dist")
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound and listening (port 0: a free one)."""
+    """The server's socket, bound and listening (port 0: a free one), once the serve extra is known to be there."""
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise K3Error(f"run.mode=serve needs the serve extra (pip install 'k3dist[serve]'): no {', '.join(missing)}")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, address = infos[0]
@@ -37,7 +38,11 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(s, rt: dist.Runtime, engine, text, cfg, sock: socket.socket, model_dir, pids: list[int]) -> dict:
     """Serve until a signal ends the drain (the process exits here with 128 + signal) or a failure is raised.
     `pids`: every rank's process id, named in the ready line (which process is which rank)."""
-    import uvicorn
+    import uvicorn  # the serve extra: imported only by a server
+
+    from .app import Front, build_app
+    from .loop import EngineLoop
+    from .metrics import Metrics
 
     name = s.serve.model_name or model_dir.name
     metrics = Metrics(s.generate.batch)

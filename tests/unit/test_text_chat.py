@@ -1,6 +1,7 @@
 """Chat templates: found in the model dir, rendered exactly as transformers renders them, bad input in one line."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,13 @@ def test_other_roles_render_as_system_and_tools_must_be_objects():
     assert text.startswith("<|im_system|>developer<|im_middle|>be brief<|im_end|>")
     with pytest.raises(K3Error, match="chat tools must be a list of JSON objects"):
         render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM, tools=["get_weather"])
+
+
+def test_a_render_that_runs_too_long_is_stopped():
+    """A template looping over its input (10^10 iterations) stops at its time limit with one line."""
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0].role }}{% endfor %}{% endfor %}"
+    start = time.monotonic()
+    with pytest.raises(K3Error, match=r"t.jinja:1: chat template failed: rendering took longer than its time limit"):
+        render_chat(slow, "t.jinja", SYSTEM, time_limit_s=0.3)
+    assert time.monotonic() - start < 3
+    assert render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM).endswith("<|im_assistant|>assistant<|im_middle|>")

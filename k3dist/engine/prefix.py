@@ -1,0 +1,152 @@
+"""Rank 0's index of prefix snapshots: which token prefixes have a snapshot, where it lives, what to evict.
+
+A snapshot is keyed by its exact token ids. Lookup finds the longest snapshot whose ids are a prefix of a prompt
+(the whole prompt included: then its stored logits give the first token with no prefill): a rolling hash of the
+prompt's prefixes narrows the candidates to the lengths snapshots have, and a candidate is a hit only when every id
+matches. Snapshots are planned here and made by every rank on its own shard (snapshots.py), in the order the window
+record lists them; eviction is least-recently-used by bytes, to the host tier when it has room, else dropped.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+MOD = (1 << 61) - 1
+BASE = 1_000_003
+
+
+def _hashes(ids, lengths: set[int]) -> dict[int, int]:
+    """Rolling hashes of ids[:L] for each L in `lengths` (one pass over the ids)."""
+    out, h, top = {}, 0, max(lengths, default=0)
+    for i, token in enumerate(ids[:top], start=1):
+        h = (h * BASE + token + 1) % MOD
+        if i in lengths:
+            out[i] = h
+    return out
+
+
+@dataclass
+class Entry:
+    id: int
+    ids: tuple[int, ...]
+    nbytes: int
+    tier: str = "device"  # device, or host (pinned memory; restored host-to-device)
+
+
+@dataclass
+class Stats:
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    evictions: int = 0  # dropped for good (a move to the host tier is not one)
+    demotions: int = 0
+    saved: int = 0
+
+    def as_dict(self, held: dict) -> dict:
+        asked = self.hits + self.misses
+        return {**self.__dict__, "hit_rate": self.hits / asked if asked else 0.0, **held}
+
+
+@dataclass
+class Moves:
+    """What a window's planning decided about old snapshots, applied by every rank before anything else."""
+
+    drop: list[int] = field(default_factory=list)
+    demote: list[int] = field(default_factory=list)
+
+
+class PrefixIndex:
+    def __init__(self, device_bytes: int, host_bytes: int, every: int, nbytes):
+        """`nbytes(length)`: the bytes of one snapshot of `length` tokens on one rank."""
+        self.budget = {"device": device_bytes, "host": host_bytes}
+        self.every, self.nbytes = every, nbytes
+        self.tiers: dict[str, OrderedDict[int, Entry]] = {"device": OrderedDict(), "host": OrderedDict()}
+        self.by_key: dict[tuple[int, int], list[Entry]] = {}
+        self.lengths: dict[int, int] = {}  # length -> how many snapshots have it
+        self.held = {"device": 0, "host": 0}
+        self.stats = Stats()
+        self._next = 0
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, ids: tuple[int, ...], count: bool = True) -> Entry | None:
+        """The longest snapshot whose ids are ids[:L] for some L <= len(ids), verified id by id."""
+        hashes = _hashes(ids, {n for n in self.lengths if n <= len(ids)})
+        for length in sorted(hashes, reverse=True):
+            for entry in self.by_key.get((length, hashes[length]), ()):
+                if entry.ids == ids[:length]:
+                    self._touch(entry)
+                    if count:
+                        self.stats.hits += 1
+                        self.stats.tokens_reused += length
+                    return entry
+        if count:
+            self.stats.misses += 1
+        return None
+
+    def has(self, ids: tuple[int, ...]) -> bool:
+        key = (len(ids), _hashes(ids, {len(ids)}).get(len(ids)))
+        return any(e.ids == ids for e in self.by_key.get(key, ()))
+
+    def _touch(self, entry: Entry) -> None:
+        self.tiers[entry.tier].move_to_end(entry.id)
+
+    # ------------------------------------------------------------------ planning
+
+    def boundaries(self, length: int, start: int) -> list[int]:
+        """Where a prompt of `length` tokens prefilled from `start` is snapshotted: every `every` tokens past
+        `start`, and its end."""
+        first = (start // self.every + 1) * self.every
+        return [*range(first, length, self.every), length]
+
+    def plan(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]) -> int | None:
+        """A new snapshot of `ids`: its id, with room made in the device pool (evictions into `moves`, never of a
+        snapshot in `pinned`), or None when it cannot fit or already exists."""
+        nbytes = self.nbytes(len(ids))
+        if nbytes > self.budget["device"] or self.has(ids):
+            return None
+        if not self._make_room("device", nbytes, moves, pinned):
+            return None
+        self._next += 1
+        entry = Entry(self._next, ids, nbytes)
+        self._add(entry)
+        self.stats.saved += 1
+        return entry.id
+
+    def _make_room(self, tier: str, nbytes: int, moves: Moves, pinned: set[int]) -> bool:
+        queue = self.tiers[tier]
+        while self.held[tier] + nbytes > self.budget[tier]:
+            victim = next((e for e in queue.values() if e.id not in pinned), None)
+            if victim is None:
+                return False
+            self._remove(victim)
+            if tier == "device" and self._make_room("host", victim.nbytes, moves, pinned | {victim.id}):
+                victim.tier = "host"
+                self._add(victim)
+                moves.demote.append(victim.id)
+                self.stats.demotions += 1
+            else:
+                moves.drop.append(victim.id)
+                self.stats.evictions += 1
+        return True
+
+    def _add(self, entry: Entry) -> None:
+        self.tiers[entry.tier][entry.id] = entry
+        self.held[entry.tier] += entry.nbytes
+        key = (len(entry.ids), _hashes(entry.ids, {len(entry.ids)})[len(entry.ids)])
+        self.by_key.setdefault(key, []).append(entry)
+        self.lengths[len(entry.ids)] = self.lengths.get(len(entry.ids), 0) + 1
+
+    def _remove(self, entry: Entry) -> None:
+        del self.tiers[entry.tier][entry.id]
+        self.held[entry.tier] -= entry.nbytes
+        key = (len(entry.ids), _hashes(entry.ids, {len(entry.ids)})[len(entry.ids)])
+        self.by_key[key].remove(entry)
+        if not self.by_key[key]:
+            del self.by_key[key]
+        self.lengths[len(entry.ids)] -= 1
+        if not self.lengths[len(entry.ids)]:
+            del self.lengths[len(entry.ids)]
+
+    def report(self) -> dict:
+        held = {"bytes_held": self.held["device"] + self.held["host"], "snapshots": sum(map(len, self.tiers.values()))}
+        return self.stats.as_dict(held | {"device_bytes": self.held["device"], "host_bytes": self.held["host"]})
