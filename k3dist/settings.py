@@ -101,6 +101,19 @@ class ServeSettings:
 
 
 @dataclass(frozen=True)
+class PrefixSettings:
+    """Exact prefix reuse (engine/prefix.py): snapshots of one sequence's hybrid state, keyed by its token ids."""
+
+    enabled: str  # auto (on for run.mode=serve and prompts files), on, off
+    bytes: int  # the device pool (the plan's prefix_bytes)
+    host_bytes: int  # snapshots evicted from it are kept in (pinned) host memory up to this
+    every: int | None  # prompt tokens between snapshots; None: 4 x generate.prefill_chunk
+
+    def on(self, mode: str, prompts_file: bool) -> bool:
+        return self.enabled == "on" or (self.enabled == "auto" and (mode == "serve" or prompts_file))
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """What the job does: generate, stop after the weights (load), or only plan every rank (plan)."""
 
@@ -118,6 +131,7 @@ class Settings:
     kernels: KernelSettings
     run: RunSettings
     serve: ServeSettings
+    prefix: PrefixSettings
     out: str | None
     fault: Faults
 
@@ -228,10 +242,22 @@ def _serve(sec: _Section) -> ServeSettings:
     )
 
 
+def _prefix(sec: _Section, chunk) -> PrefixSettings:
+    every = sec.integer("every", 1, optional=True)
+    if every is not None and isinstance(chunk, int) and chunk > 0 and every % chunk:
+        sec.fail("every", f"must be a multiple of generate.prefill_chunk={chunk}, so snapshots fall on chunk ends")
+    return PrefixSettings(
+        enabled=sec.choice("enabled", ("auto", "on", "off")),
+        bytes=sec.size("bytes") or 0,
+        host_bytes=sec.size("host_bytes") or 0,
+        every=every,
+    )
+
+
 def parse(job: dict) -> Settings:
     """Check every value a user can override; a bad one is an `error:` line naming the key."""
-    groups = ("model", "dist", "memory", "cache", "generate", "decode", "kernels", "run", "serve")
-    model, dist, mem, cache, gen, dec, ker, run, serve = (_Section(job, g) for g in groups)
+    groups = ("model", "dist", "memory", "cache", "generate", "decode", "kernels", "run", "serve", "prefix")
+    model, dist, mem, cache, gen, dec, ker, run, serve, prefix = (_Section(job, g) for g in groups)
     fault = dict(job.get("fault") or {})
     known = {f.name for f in fields(Faults)}
     if set(fault) - known:
@@ -280,6 +306,7 @@ def parse(job: dict) -> Settings:
         kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "triton"))),
         run=RunSettings(mode=run.choice("mode", MODES)),
         serve=_serve(serve),
+        prefix=_prefix(prefix, gen.values.get("prefill_chunk")),
         out=job.get("out"),
         fault=Faults(**fault),
     )

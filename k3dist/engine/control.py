@@ -32,6 +32,9 @@ class Admit:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    restore: int | None = None  # a prefix snapshot to start from: the prefill starts at its length
+    saves: tuple[tuple[int, int], ...] = ()  # (position, snapshot id): prefix snapshots to take on the way
+    emit: bool = True  # False: only make snapshots (a finished request's prompt + completion), choose no token
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Window:
 
     admit: tuple[Admit, ...] = ()
     ended: tuple[int, ...] = ()  # slots whose requests finished or were aborted since the last window
+    drop: tuple[int, ...] = ()  # prefix snapshots evicted for good ...
+    demote: tuple[int, ...] = ()  # ... and moved to host memory, before anything else in the window
     steps: int = 0  # decode steps over every slot
     rows: int | None = None  # eager steps: the MLA cache rows no live slot gets past in this window
     mode: SamplingMode = GREEDY  # the least sampling mode covering the live slots
@@ -47,7 +52,7 @@ class Window:
 
     @property
     def idle(self) -> bool:
-        return not (self.admit or self.steps or self.ended) and self.stop is None
+        return not (self.admit or self.steps or self.ended or self.drop or self.demote) and self.stop is None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -55,8 +60,11 @@ class Window:
     @staticmethod
     def from_json(data: bytes) -> "Window":
         raw = json.loads(data)
-        raw["admit"] = tuple(Admit(**(a | {"ids": tuple(a["ids"])})) for a in raw["admit"])
-        raw["ended"], raw["mode"] = tuple(raw["ended"]), SamplingMode(**raw["mode"])
+        saves = lambda a: tuple(map(tuple, a["saves"]))  # noqa: E731
+        raw["admit"] = tuple(Admit(**(a | {"ids": tuple(a["ids"]), "saves": saves(a)})) for a in raw["admit"])
+        raw["mode"] = SamplingMode(**raw["mode"])
+        for key in ("ended", "drop", "demote"):
+            raw[key] = tuple(raw[key])
         return Window(**raw)
 
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from ..base.errors import K3Error
 from .control import Admit, Channel, Window
+from .prefix import Moves, PrefixIndex
 from .requests import Completion, Event, Prompt
-from .runner import Runner
+from .runner import Runner, prefills_together
 from .sampling import SamplingMode
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
@@ -39,10 +40,16 @@ class Engine:
         sync_every: int,
         eos_ids: tuple[int, ...] = (),
         make_assembler: Callable | None = None,
+        prefix: PrefixIndex | None = None,
     ):
+        """`prefix`: the index of prefix snapshots (None: no reuse)."""
         self.runner, self.channel, self.step_fn = runner, channel, runner.step
-        self.cache = runner.cache
+        self.cache, self.prefix = runner.cache, prefix
         self.sync_every, self.eos, self.make_assembler = sync_every, set(eos_ids), make_assembler
+        # admissions per window: all free slots where they prefill together, else one, so each first token is out
+        # after its own prefill rather than after every prefill of a burst
+        self.admit_per_window = self.cache.batch if prefills_together(runner.device.type) else 1
+        self.extend: list[tuple[int, ...]] = []  # finished requests' prompt + completion ids, to snapshot
         self.waiting: deque[Prompt] = deque()
         self.live: dict[int, _Live] = {}
         self.free = list(range(self.cache.batch))
@@ -97,8 +104,9 @@ class Engine:
     # ------------------------------------------------------------------ schedule
 
     def _schedule(self, events: list[Event]) -> Window:
-        admitted = []
-        while self.free and self.waiting:
+        moves, pinned = Moves(), set()
+        admitted = self._extensions(moves, pinned)
+        while self.free and self.waiting and len(admitted) < self.admit_per_window:
             p = self.waiting.popleft()
             if p.max_new_tokens == 0:
                 events.append(Event(p.id, finish_reason="length", completion=Completion(p.id, list(p.ids))))
@@ -106,17 +114,53 @@ class Engine:
             slot = self.free.pop(0)
             assembler = self.make_assembler(p) if self.make_assembler else None
             self.live[slot] = _Live(p, Completion(p.id, list(p.ids)), assembler)
-            admitted.append(Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed))
+            restore, saves = self._reuse(p.ids, moves, pinned)
+            admitted.append(Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed, restore, saves))
         ended, self.ended = tuple(self.ended), []
+        drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
         if not self.live:
-            return Window(ended=ended)
+            return Window(tuple(admitted), ended, **drops)
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
+        if any(a.emit for a in admitted):  # one step, so the new requests' first tokens are out without delay
+            steps = min(steps, 1)
         rows = None
         if self.step_fn.kind == "eager":  # no slot of interest gets past this row in the window: attend to no more
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps
             rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
-        return Window(tuple(admitted), ended, steps, rows, mode)
+        return Window(tuple(admitted), ended, steps=steps, rows=rows, mode=mode, **drops)
+
+    def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
+        """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
+        every `prefix.every` tokens past it and one at its end."""
+        if self.prefix is None:
+            return None, ()
+        hit = self.prefix.lookup(ids)
+        start = len(hit.ids) if hit else 0
+        if hit:
+            pinned.add(hit.id)
+        saves = []
+        for at in self.prefix.boundaries(len(ids), start):
+            snap = self.prefix.plan(ids[:at], moves, pinned)
+            if snap is not None:
+                saves.append((at, snap))
+                pinned.add(snap)
+        return (hit.id if hit else None), tuple(saves)
+
+    def _extensions(self, moves: Moves, pinned: set[int]) -> list[Admit]:
+        """Snapshots of finished requests' prompt + completion (the next chat turn starts with it): a free slot
+        restores the request's prompt snapshot and prefills just the completion."""
+        out, pending, self.extend = [], self.extend, []
+        for ids, completion in pending:
+            hit = self.prefix.lookup(ids, count=False)
+            if not self.free or hit is None or len(ids) - len(hit.ids) > completion:
+                continue  # its prompt's snapshot is gone: recomputing all of it is not worth it
+            pinned.add(hit.id)
+            snap = self.prefix.plan(ids, moves, pinned)
+            if snap is not None:
+                pinned.add(snap)
+                out.append(Admit(self.free[0], ids, restore=hit.id, saves=((len(ids), snap),), emit=False))
+        return out
 
     def _release(self, slot: int) -> None:
         del self.live[slot]
@@ -149,6 +193,8 @@ class Engine:
             if finished:
                 self._release(slot)
                 event.finish_reason, event.completion = s.out.finish_reason, self._complete(slot, s, event)
+                if self.prefix is not None:
+                    self.extend.append((s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens)))
             if event.tokens or event.finished:
                 events.append(event)
         return events

@@ -1,4 +1,5 @@
-"""What every rank does with a window record: reset and prefill the admitted requests' slots, then decode.
+"""What every rank does with a window record: apply prefix-snapshot evictions, reset and prefill the admitted
+requests' slots (from a prefix snapshot where rank 0 found one, taking the snapshots it asked for), then decode.
 
 The same records reach every rank in the same order (control.py), so every rank runs the same prefills and the same
 steps on its own shard and the collectives inside them pair up. Nothing here reads generated tokens: that is rank
@@ -12,6 +13,7 @@ import torch
 
 from ..base.faults import Faults
 from .control import Admit, Window
+from .snapshots import SnapshotStore
 from .step import DecodeStep
 
 
@@ -45,41 +47,77 @@ def _sync(device: torch.device) -> None:
 
 
 class Runner:
-    def __init__(self, step: DecodeStep, prefill_chunk: int, faults: Faults | None = None, rank: int = 0):
+    def __init__(
+        self,
+        step: DecodeStep,
+        prefill_chunk: int,
+        faults: Faults | None = None,
+        rank: int = 0,
+        snapshots: SnapshotStore | None = None,
+    ):
         self.step, self.model, self.cache = step, step.model, step.cache
         self.prefill_chunk, self.faults, self.rank = prefill_chunk, faults or Faults(), rank
+        self.snapshots = snapshots  # None: prefix reuse is off
         self.device = self.cache.positions.device
         self.timings = Timings()
         self.stage = "prefill"  # what the rank is doing: prefill or decode (named in a failure)
 
     def run(self, window: Window) -> None:
+        if self.snapshots is not None:  # evictions first: the pool never holds more than its bytes
+            for snap in window.drop:
+                self.snapshots.drop(snap)
+            for snap in window.demote:
+                self.snapshots.demote(snap)
         if window.admit:
             self.admit(window.admit, window)
         if window.steps:
             self.decode(window)
 
     def admit(self, admitted: tuple[Admit, ...], window: Window) -> None:
-        """Reset the slots, prefill their prompts (same-length ones together where `prefills_together`), emit each
-        first token."""
+        """Reset the slots, restore their prefix snapshots, prefill the rest (same-length fresh prompts together
+        where `prefills_together`), take the snapshots asked for, emit each first token.
+
+        Order matters, and is the same on every rank: snapshot-only work (a finished request's) first, then fresh
+        prompts, then those starting from a snapshot, one by one in record order, so a snapshot an earlier admission
+        of this window takes is there for a later one to restore."""
         self.stage = "prefill"
         self.faults.after_load(self.rank, "prefill")
         _sync(self.device)
         start = time.perf_counter()
         together = prefills_together(self.device.type)
+        extend = [a for a in admitted if not a.emit]
+        fresh = [a for a in admitted if a.emit and a.restore is None]
+        restored = [a for a in admitted if a.emit and a.restore is not None]
         groups: dict[tuple[int, int | None], list[Admit]] = {}
-        for a in admitted:  # keyed by (length, slot), the slot left out where prompts go together
+        for a in fresh:  # keyed by (length, slot), the slot left out where prompts go together
             groups.setdefault((len(a.ids), None if together else a.slot), []).append(a)
         with torch.inference_mode():
-            for (length, _), items in groups.items():
-                self._reset(items)
-                rows = torch.tensor([a.slot for a in items], device=self.device)
-                ids = torch.tensor([list(a.ids) for a in items], device=self.device)
-                for at in range(0, length, self.prefill_chunk):
-                    logits = self.model.prefill(ids[:, at : at + self.prefill_chunk], rows, at)
-                self.cache.positions.index_fill_(0, rows, length)
-                self.step.emit(logits, rows, window.mode)
+            for items in [[a] for a in extend] + list(groups.values()) + [[a] for a in restored]:
+                self._prefill(items, window)
         _sync(self.device)
         self.timings.prefill_seconds += time.perf_counter() - start
+
+    def _prefill(self, items: list[Admit], window: Window) -> None:
+        """Prefill same-length prompts (one, if it starts from a snapshot) in chunks that end on multiples of
+        `prefill_chunk`, so a prompt restored at a chunk boundary runs exactly the chunks it would have from 0."""
+        self._reset(items)
+        rows = torch.tensor([a.slot for a in items], device=self.device)
+        ids = torch.tensor([list(a.ids) for a in items], device=self.device)
+        at, logits, length, c = 0, None, len(items[0].ids), self.prefill_chunk
+        if items[0].restore is not None:
+            at, saved = self.snapshots.restore(items[0].restore, items[0].slot)
+            logits = saved.unsqueeze(0)
+        saves = [dict(a.saves) for a in items]
+        while at < length:
+            end = min(length, (at // c + 1) * c)
+            logits = self.model.prefill(ids[:, at:end], rows, at)
+            for row, (a, wanted) in enumerate(zip(items, saves, strict=True)):
+                if end in wanted:
+                    self.snapshots.save(wanted[end], a.slot, end, logits[row])
+            at = end
+        self.cache.positions.index_fill_(0, rows, length)
+        if items[0].emit:
+            self.step.emit(logits, rows, window.mode)
 
     def _reset(self, items: list[Admit]) -> None:
         """Empty the slots and load their requests' sampling settings (host-to-device writes, outside any step)."""

@@ -8,10 +8,12 @@ import threading
 
 from ..base import dist
 from ..config import ModelConfig
-from ..engine.cache import HybridCache
+from ..engine.cache import HybridCache, cache_shapes
 from ..engine.control import Channel
 from ..engine.engine import Engine, follow
+from ..engine.prefix import PrefixIndex
 from ..engine.runner import Runner
+from ..engine.snapshots import SnapshotStore, snapshot_bytes
 from ..engine.step import DecodeStep
 from ..kernels.backend import select
 from ..model.build import build_model
@@ -37,14 +39,26 @@ def text_assembler(tokenizer):
     return lambda prompt: TextAssembler(tokenizer, prompt.stop, tokenizer.eos_ids)
 
 
-def generate(s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pack, text, prompts, listener, model_dir):
-    """`text`, `prompts`: rank 0's (the tokenizer; the offline requests); `listener`: the server's socket."""
+def prefix_index(s: Settings, cfg: ModelConfig, world: int, dtype) -> PrefixIndex:
+    """Rank 0's index of snapshots, sized by what one snapshot of L tokens takes on a rank."""
+    shapes = cache_shapes(cfg, world, 1, 1, dtype)
+    vocab = -(-cfg.vocab_size // world)
+    every = s.prefix.every or 4 * s.generate.prefill_chunk
+    host = s.prefix.host_bytes
+    return PrefixIndex(s.prefix.bytes, host, every, lambda n: snapshot_bytes(shapes, n, vocab, dtype.itemsize))
+
+
+def generate(
+    s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pack, text, prompts, listener, model_dir, reuse
+):
+    """`text`, `prompts`: rank 0's (the tokenizer; the offline requests); `listener`: the server's socket; `reuse`:
+    whether prefix snapshots are on."""
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
     model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack)
     step = DecodeStep(model, cache, modes, kind)
-    runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank)
+    runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank, SnapshotStore(cache) if reuse else None)
     channel = Channel(rt, s.dist.check_tokens)
     dist.abort_on_peer_failure(rt)
     held = start_peak_window(rt.device)
@@ -63,7 +77,8 @@ def generate(s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pa
         peak = window_peak(rt.device) - held
         return facts | {"runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": peak}}
     tokenizer = text.tokenizer if text else None
-    engine = Engine(runner, channel, s.decode.sync_every, eos_ids(cfg, tokenizer), text_assembler(tokenizer))
+    prefix = prefix_index(s, cfg, rt.world, dtype) if reuse else None
+    engine = Engine(runner, channel, s.decode.sync_every, eos_ids(cfg, tokenizer), text_assembler(tokenizer), prefix)
     if s.run.mode == "serve":
         from ..serve.server import serve
 
@@ -84,6 +99,7 @@ def generate(s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pa
             "prefill_seconds": t.prefill_seconds,
             "decode_tokens_per_second": t.decode_tokens_per_second,
             "step_ms": t.step_ms(),
+            "prefix": prefix.report() if prefix else None,
             "runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": runtime_peak},
         }
         | out.paths()

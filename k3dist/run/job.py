@@ -192,6 +192,8 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     pack = s.run.mode in ("generate", "serve") and kind == "eager" and packable(dtype, rt.device)
     dense = dense_wanted(cfg.num_experts, cfg.top_k, s.generate.batch, pack)  # as build_model will decide
     runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense)
+    reuse = s.run.mode != "load" and s.prefix.on(s.run.mode, s.generate.prompts is not None)
+    pool = (s.prefix.bytes + (s.prefix.host_bytes if rt.device.type == "cpu" else 0)) if reuse else 0
     store = load_weights(
         inv,
         rt,
@@ -203,6 +205,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         runtime.total,
         s.memory.drop_page_cache,
         derived_of(cfg, rt, dtype, pack, dense),
+        pool,
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
@@ -213,7 +216,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     }
     if s.run.mode == "load":
         return result
-    front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir}
+    front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir, "reuse": reuse}
     return result | generate(s, rt, cfg, store.tensors, dtype, modes, kind, pack, **front)
 
 

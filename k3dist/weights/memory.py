@@ -24,6 +24,7 @@ class MemoryPlan:
     derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights)
     cache_bytes: int  # KDA state + MLA latent for batch x cap
     runtime_bytes: int  # activations of one prefill chunk, logits and sampling buffers, workspaces (runtime.py)
+    prefix_bytes: int  # the pool of prefix snapshots (prefix.bytes; on a CPU also prefix.host_bytes)
     reserve: int  # explicit headroom
     free: int  # memory available to this rank
     tensors: int
@@ -36,6 +37,7 @@ class MemoryPlan:
             + self.staging_peak
             + self.cache_bytes
             + self.runtime_bytes
+            + self.prefix_bytes
             + self.reserve
         )
 
@@ -51,13 +53,20 @@ class MemoryPlan:
             f"rank {self.rank} needs admitted {fmt_bytes(self.admitted)} > free {fmt_bytes(self.free)} "
             f"(local {fmt_bytes(self.local_bytes)} + derived {fmt_bytes(self.derived_bytes)} + staging "
             f"{fmt_bytes(self.staging_peak)} + cache {fmt_bytes(self.cache_bytes)} + runtime "
-            f"{fmt_bytes(self.runtime_bytes)} + reserve "
+            f"{fmt_bytes(self.runtime_bytes)} + prefix {fmt_bytes(self.prefix_bytes)} + reserve "
             f"{fmt_bytes(self.reserve)}; short by {fmt_bytes(self.admitted - self.free)})"
         )
 
 
 def memory_plan(
-    rank: int, plans: list[ShardPlan], cache: int, reserve: int, free: int, runtime: int = 0, derived: int = 0
+    rank: int,
+    plans: list[ShardPlan],
+    cache: int,
+    reserve: int,
+    free: int,
+    runtime: int = 0,
+    derived: int = 0,
+    prefix: int = 0,
 ) -> MemoryPlan:
     chunks = schedule(plans)
     slots, slot_bytes = staging(chunks)
@@ -71,6 +80,7 @@ def memory_plan(
         derived_bytes=derived,
         cache_bytes=cache,
         runtime_bytes=runtime,
+        prefix_bytes=prefix,
         reserve=reserve,
         free=free,
         tensors=len(plans),
