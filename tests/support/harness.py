@@ -142,3 +142,60 @@ def generate(
         follow(engine.runner, engine.channel)
     dist.shutdown()
     return out
+
+
+def prefix_turns(
+    model_dir: str,
+    turns: list[list[dict]],
+    batch: int,
+    reuse: bool,
+    prefill_chunk: int = 8,
+    every: int = 16,
+    dtype: str = "float32",
+    cap: int = 256,
+) -> list[dict] | None:
+    """Turns of requests through the real engine, with prefix snapshots (`reuse`) or without; each turn runs to its
+    end before the next is added. A request {"after": i, "then": [ids]} continues request i of the previous turn:
+    its prompt, its completion, then `then` (a chat's next turn). Rank 0 returns per turn its completions and the
+    prefix statistics so far; other ranks follow and return None."""
+    from k3dist.engine.cache import cache_shapes
+    from k3dist.engine.engine import follow
+    from k3dist.engine.prefix import PrefixIndex
+    from k3dist.engine.requests import Prompt
+    from k3dist.engine.runner import Runner
+    from k3dist.engine.snapshots import SnapshotStore, snapshot_bytes
+
+    rt, cfg, model, cache = bind(model_dir, dtype, batch, cap)
+    step = DecodeStep(model, cache, (SamplingMode(True, True),))
+    engine = local_engine(step, prefill_chunk, 4, (), rt, check_tokens=True)
+    if reuse:
+        engine.runner = Runner(step, prefill_chunk, snapshots=SnapshotStore(cache))
+        shapes, vocab = cache_shapes(cfg, rt.world, 1, 1, model.dtype), -(-cfg.vocab_size // rt.world)
+        size = lambda n: snapshot_bytes(shapes, n, vocab, model.dtype.itemsize)  # noqa: E731
+        engine.prefix = PrefixIndex(2**30, 0, every, size)
+    if rt.rank != 0:
+        follow(engine.runner, engine.channel)
+        dist.shutdown()
+        return None
+    out, previous = [], []
+    for t, turn in enumerate(turns):
+        prompts = []
+        for i, r in enumerate(turn):
+            if "after" in r:
+                before, done = previous[r["after"]]
+                r = {k: v for k, v in r.items() if k not in ("after", "then")} | {
+                    "ids": list(before.ids) + done.tokens + r["then"]
+                }
+            prompts.append(Prompt(**({"id": f"t{t}r{i}", "max_new_tokens": 6} | r | {"ids": tuple(r["ids"])})))
+            engine.add(prompts[-1])
+        done = {}
+        while engine.busy:
+            for event in engine.step():
+                if event.finished:
+                    done[event.id] = event.completion
+        previous = [(p, done[p.id]) for p in prompts]
+        stats = engine.prefix.report() if reuse else None
+        out.append({"completions": [{"tokens": c.tokens, "top": c.top_logits} for _, c in previous], "prefix": stats})
+    engine.shutdown()
+    dist.shutdown()
+    return out

@@ -1,0 +1,77 @@
+"""Exact prefix reuse on real ranks (fp32, world 1 and 2, two configs): a chat's second turn restored from the first
+turn's snapshot gives the greedy tokens and, within 1e-5, the top-5 logits of the run without reuse; a prompt sharing
+a chunk-aligned prefix with an earlier one gives bit-identical logits; and nothing else is a hit."""
+
+import pytest
+
+from k3dist.twin.checkpoint import write_checkpoint
+from tests.support.configs import small_config
+from tests.support.harness import prefix_turns
+from tests.support.ranks import expect_ok, run_ranks
+
+DOC = [(37 * i) % 480 + 5 for i in range(40)]  # 40 tokens: snapshots at 16, 32 and 40 (chunk 8, every 16)
+CONFIGS = {
+    "small": small_config(),
+    "mla-heavy": small_config(
+        num_hidden_layers=5,
+        linear_attn_config={"kda_layers": [2, 4], "full_attn_layers": [1, 3, 5], "short_conv_kernel_size": 3},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"prefix-{request.param}")
+    return str(write_checkpoint(CONFIGS[request.param], path, seed=21, dtype="float32", tokenizer=False))
+
+
+def both(model_dir, turns, world, batch=2):
+    """The same turns with and without reuse: (with, without), rank 0's."""
+    reused = expect_ok(run_ranks(prefix_turns, world, model_dir, turns, batch, True))[0]
+    plain = expect_ok(run_ranks(prefix_turns, world, model_dir, turns, batch, False))[0]
+    return reused, plain
+
+
+def close(a, b, rtol=1e-5):
+    for x, y in zip(a, b, strict=True):
+        assert [i for i, _ in x] == [i for i, _ in y]
+        assert all(abs(u - v) <= rtol * max(abs(v), 1e-6) for (_, u), (_, v) in zip(x, y, strict=True)), (x, y)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
+    turns = [
+        [{"ids": DOC, "max_new_tokens": 7}, {"ids": DOC[:30], "max_new_tokens": 5, "temperature": 0.8, "seed": 3}],
+        [{"after": 0, "then": [11, 12, 13, 14, 15]}, {"after": 1, "then": [7, 8], "temperature": 0.8, "seed": 4}],
+    ]
+    reused, plain = both(model_dir, turns, world)
+    for got, want in zip(reused, plain, strict=True):
+        for g, w in zip(got["completions"], want["completions"], strict=True):
+            assert g["tokens"] == w["tokens"]
+            close(g["top"], w["top"])
+    first, second = reused[0]["prefix"], reused[1]["prefix"]
+    assert second["hits"] - first["hits"] == 2  # both turn-2 requests hit ...
+    # ... their turn-1 prompt + completion: 40 + 7 and 30 + 5 tokens reused
+    assert second["tokens_reused"] - first["tokens_reused"] == (40 + 7) + (30 + 5)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(model_dir, world):
+    turns = [[{"ids": DOC}], [{"ids": DOC[:32] + [3, 4, 5, 6, 7, 8, 9]}, {"ids": DOC[:32] + [300, 2]}]]
+    reused, plain = both(model_dir, turns, world)
+    assert reused[1]["prefix"]["tokens_reused"] == 32 + 32  # each restored at the 32-token chunk boundary
+    for g, w in zip(reused[1]["completions"], plain[1]["completions"], strict=True):
+        assert g == w  # tokens and top-5 logits, bit for bit
+
+
+def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
+    changed = DOC[:20] + [999 % 480] + DOC[21:]
+    turns = [[{"ids": DOC}], [{"ids": changed}], [{"ids": DOC[:37]}], [{"ids": DOC}]]
+    reused, plain = both(model_dir, turns, 1, batch=1)
+    reuse = [r["prefix"]["tokens_reused"] for r in reused]
+    assert reuse[0] == 0
+    assert reuse[1] - reuse[0] == 16  # one middle token changed: only the 16 tokens before it
+    assert reuse[2] - reuse[1] == 32  # a strict prefix of the 40-token snapshot: the 32-token one
+    assert reuse[3] - reuse[2] == 40  # equal to a snapshot: its stored logits, no prefill at all
+    for got, want in zip(reused, plain, strict=True):
+        assert got["completions"] == want["completions"]
