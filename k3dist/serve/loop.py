@@ -166,6 +166,7 @@ class EngineLoop:
         self.metrics.running.set(live)
         self.metrics.slots_used.set(live)
         self.metrics.waiting.set(len(self.engine.waiting) + self._queued)
+        self.metrics.prefix_report(self.engine.prefix.report() if self.engine.prefix else None)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Every request still in flight (queued, waiting or in a slot) gets `message` instead of its end."""

@@ -1,5 +1,6 @@
 """Prometheus metrics of the server (GET /metrics), in a registry of its own: requests running and waiting, slots in
-use, prompt and generation tokens, and time to first token, inter-token latency and end-to-end latency."""
+use, prompt and generation tokens, time to first token, inter-token latency and end-to-end latency, and the prefix
+snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -23,6 +24,13 @@ class Metrics:
         )
         self.itl = Histogram("k3dist_inter_token_latency_seconds", "Between tokens", buckets=TOKEN_GAPS, registry=r)
         self.e2e = Histogram("k3dist_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY, registry=r)
+
+        prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "evictions", "hit_rate")
+        self.prefix = {k: Gauge(f"k3dist_prefix_{k}", f"Prefix snapshots: {k}", registry=r) for k in prefix}
+
+    def prefix_report(self, report: dict | None) -> None:
+        for key, gauge in self.prefix.items():
+            gauge.set(report[key] if report else 0)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

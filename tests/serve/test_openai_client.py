@@ -156,3 +156,21 @@ def test_twelve_concurrent_requests_over_four_slots_each_as_alone(server):
         assert got.choices[0].text == alone.choices[0].text
         assert len(got.choices[0].token_ids) == r["max_tokens"] or got.choices[0].finish_reason == "stop"
     assert len({tuple(g.choices[0].token_ids) for g in together}) == 12
+
+
+def test_a_chat_turn_reuses_the_previous_turns_state(server):
+    """The second turn's prompt starts with the first turn's: its snapshot is restored, counted in /metrics."""
+    c, before = server.client(), server.metrics()
+    doc = "The keeper wound the clock at seven and watched the boats come in. " * 2
+    messages = [{"role": "system", "content": doc}, {"role": "user", "content": "What did the keeper do?"}]
+    first = c.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Why?"},
+    ]
+    second = c.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0)
+    after = server.metrics()
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert after["k3dist_prefix_hits"] - before["k3dist_prefix_hits"] >= 1
+    assert after["k3dist_prefix_tokens_reused"] - before["k3dist_prefix_tokens_reused"] >= first.usage.prompt_tokens
+    assert after["k3dist_prefix_bytes_held"] > 0 and 0 < after["k3dist_prefix_hit_rate"] <= 1
