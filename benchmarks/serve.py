@@ -66,9 +66,11 @@ class Server:
                 raise RuntimeError(f"not ready after {timeout:.0f} s: {self.log_tail()}")
             time.sleep(0.25)
         self.ready_s = time.perf_counter() - start
-        models = httpx.get(self.url + "/v1/models", timeout=10, trust_env=False)
-        models.raise_for_status()
-        self.model = models.json()["data"][0]["id"]
+        try:  # the issue saw transformers serve answer 500 here; a request without `model` is served by both
+            models = httpx.get(self.url + "/v1/models", timeout=10, trust_env=False)
+            self.model = models.raise_for_status().json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            print(f"  {self.name}: GET /v1/models failed ({exc}); requests name no model", flush=True)
 
     def log_tail(self) -> str:
         lines = self.log.read_text(errors="replace").strip().splitlines() if self.log.exists() else []
@@ -80,19 +82,21 @@ class Server:
     def stop(self) -> None:
         """SIGTERM to the group, SIGKILL after GRACE_S; then signal again until no process of the group is left."""
         if not self.proc:
-            self.stopped = "not started here"
+            self.stopped = "never started" if self.cmd else "not started here"
             return
         start, pgid = time.perf_counter(), self.proc.pid
         if self.proc.poll() is not None:
             self.stopped = f"had exited {self.proc.returncode} before the end"
         else:
-            os.killpg(pgid, signal.SIGTERM)
             try:
+                os.killpg(pgid, signal.SIGTERM)
                 code = self.proc.wait(GRACE_S)
                 end = f"exit {code}" if code >= 0 else f"ended by {signal.Signals(-code).name}"  # uvicorn re-raises
                 self.stopped = f"SIGTERM: {end} in {time.perf_counter() - start:.1f} s"
             except subprocess.TimeoutExpired:
                 self.stopped = f"SIGTERM: no exit in {GRACE_S} s"
+            except ProcessLookupError:
+                self.stopped = f"had exited {self.proc.wait()} before the end"
         for sig in (signal.SIGTERM, signal.SIGKILL):  # ranks outliving the launcher would keep the group alive
             try:
                 os.killpg(pgid, sig)
@@ -114,7 +118,14 @@ def k3dist_cmd(args, twin: Path, port: int, run_dir: Path) -> list[str]:
     cap = args.prompt_len + args.max_tokens + 64  # + the chat template's tokens and the tokenizers' slack
     cmd = f"run.mode=serve model.dtype=bfloat16 serve.host=127.0.0.1 serve.port={port} dist.nproc={args.nproc}"
     cmd += f" generate.batch={args.batch} cache.cap={cap} hydra.output_subdir=null"
-    return [sys.executable, "launch.py", *cmd.split(), f"model.path={twin}", f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "launch.py",
+        *cmd.split(),
+        f"model.path={twin}",
+        f"hydra.run.dir={run_dir}",
+        *args.k3dist_args,
+    ]
 
 
 def make_prompts(twin: Path, n: int, length: int, seed: int) -> list[str]:
@@ -129,9 +140,9 @@ def make_prompts(twin: Path, n: int, length: int, seed: int) -> list[str]:
     return [tok.decode(tok.encode(" ".join(rng.choices(words, k=2 * length)))[:length]) for _ in range(n)]
 
 
-def payload(args, model: str, prompt: str) -> dict:
+def payload(args, model: str | None, prompt: str) -> dict:
     """Only OpenAI fields: transformers serve answers 422 to any other (top_k, ignore_eos, min_tokens)."""
-    body = {"model": model, "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True}
+    body = ({"model": model} if model else {}) | {"max_tokens": args.max_tokens, "temperature": 0.0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if args.api == "chat":
         return body | {"messages": [{"role": "user", "content": prompt}]}
@@ -322,6 +333,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="k3dist generate.batch (slots)")
     ap.add_argument("--api", choices=["completions", "chat"], default="completions")
     ap.add_argument("--skip-peer", action="store_true", help="k3dist only (no ratios, no targets)")
+    ap.add_argument("--k3dist-args", nargs="*", default=[], help="more overrides, e.g. decode.sync_every=1")
     ap.add_argument("--k3dist-url", help="use a k3dist server already running there (not started or stopped here)")
     ap.add_argument("--quick", action="store_true", help="smoke test: " + json.dumps(QUICK))
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
