@@ -1,6 +1,6 @@
 """What every benchmark shares: the machine header each table carries, Markdown tables, publishing (stdout,
-benchmarks/results/<name>.md, `--json`), and running k3dist's CLI or a peer process under a timeout that ends its
-whole process group.
+benchmarks/results/<name>.md, `--json`), running k3dist's CLI or a peer process under a timeout that ends its
+whole process group, and for servers a free port and a process group's CPU time.
 
 Figures only compare on one machine: transformers' bf16 decode alone differs 4x between AVX2 and AVX-512/bf16 CPUs,
 so the header names the CPU, its vector units, the threads and the load next to every table.
@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -262,3 +263,23 @@ def bare_torch_rss() -> int:
     """Peak RSS of a bare interpreter that imported torch: what every process pays before any model byte."""
     code = "import torch; from k3dist.weights.memory import peak_bytes; print(peak_bytes(torch.device('cpu')))"
     return int(run_group([sys.executable, "-c", code], 120).stdout.split()[-1])
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a server the benchmark starts."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of the live processes of group `pgid` (a server and the ranks it started), from
+    /proc: how much an idle server took from the cores while another was measured."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
