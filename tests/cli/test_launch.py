@@ -201,3 +201,10 @@ def test_what_if_plan_from_a_sparse_checkpoint_equals_the_config_plan(tmp_path):
         assert sparse["source_bytes"] <= sparse["read_bytes"]
         assert all(abs(sparse[k] / config[k] - 1) < 0.01 for k in layout), (sparse, config)
     assert plans["sparse"]["params"] == 49_122_681_728 and plans["sparse"]["tensors"] == 20_493
+
+
+def test_a_prefix_pool_that_does_not_fit_is_refused_up_front(k3_cache, tmp_path):
+    rc, text, _ = run_cli(tmp_path, "prefix.enabled=on", "prefix.bytes=1TiB", "generate.max_new_tokens=2")
+    lines = error_lines(text)
+    assert rc != 0 and len(lines) == 1 and "preflight failed" in lines[0] and "prefix 1.0 TiB" in lines[0], text
+    assert "k3_weight_shard_loaded" not in text

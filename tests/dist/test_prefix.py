@@ -75,3 +75,29 @@ def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
     assert reuse[3] - reuse[2] == 40  # equal to a snapshot: its stored logits, no prefill at all
     for got, want in zip(reused, plain, strict=True):
         assert got["completions"] == want["completions"]
+
+
+def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(model_dir):
+    """A pool of two 40-token snapshots and a host tier of one: documents come and go, snapshots are demoted and
+    dropped on both ranks alike, and every answer stays what it is without reuse."""
+    from k3dist.engine.cache import cache_shapes
+    from k3dist.engine.snapshots import snapshot_bytes
+    from k3dist.config import load_config
+
+    cfg = load_config(model_dir)
+    size = snapshot_bytes(cache_shapes(cfg, 2, 1, 1, cfg_dtype()), 40, -(-cfg.vocab_size // 2), 4)
+    docs = [[(t * 13 + k * 7) % 480 + 5 for t in range(40)] for k in range(4)]
+    turns = [[{"ids": d}] for d in docs] + [[{"ids": docs[3]}], [{"ids": docs[0]}]]
+    args = (model_dir, turns, 1, True, 8, 16, "float32", 256, (2 * size + 100, size + 100))
+    reused = expect_ok(run_ranks(prefix_turns, 2, *args))[0]
+    plain = expect_ok(run_ranks(prefix_turns, 2, model_dir, turns, 1, False))[0]
+    assert [r["completions"] for r in reused] == [p["completions"] for p in plain]
+    stats = reused[-1]["prefix"]
+    assert stats["evictions"] > 0 and stats["demotions"] > 0 and stats["device_bytes"] <= 2 * size + 100
+    assert reused[4]["prefix"]["tokens_reused"] > reused[3]["prefix"]["tokens_reused"]  # docs[3] again: some held
+
+
+def cfg_dtype():
+    import torch
+
+    return torch.float32

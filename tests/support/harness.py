@@ -153,8 +153,10 @@ def prefix_turns(
     every: int = 16,
     dtype: str = "float32",
     cap: int = 256,
+    pool: tuple[int, int] = (2**30, 0),
 ) -> list[dict] | None:
-    """Turns of requests through the real engine, with prefix snapshots (`reuse`) or without; each turn runs to its
+    """Turns of requests through the real engine, with prefix snapshots (`reuse`: a pool of (device, host) bytes)
+    or without; each turn runs to its
     end before the next is added. A request {"after": i, "then": [ids]} continues request i of the previous turn:
     its prompt, its completion, then `then` (a chat's next turn). Rank 0 returns per turn its completions and the
     prefix statistics so far; other ranks follow and return None."""
@@ -172,7 +174,7 @@ def prefix_turns(
         engine.runner = Runner(step, prefill_chunk, snapshots=SnapshotStore(cache))
         shapes, vocab = cache_shapes(cfg, rt.world, 1, 1, model.dtype), -(-cfg.vocab_size // rt.world)
         size = lambda n: snapshot_bytes(shapes, n, vocab, model.dtype.itemsize)  # noqa: E731
-        engine.prefix = PrefixIndex(2**30, 0, every, size)
+        engine.prefix = PrefixIndex(*pool, every, size)
     if rt.rank != 0:
         follow(engine.runner, engine.channel)
         dist.shutdown()
