@@ -20,8 +20,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from k3dist.base import signals
 from k3dist.base.errors import K3Error
-from k3dist.run import signals
 
 QUIET_RANK_OVERRIDES = [
     "hydra.output_subdir=null",
@@ -145,11 +145,11 @@ def main(cfg: DictConfig) -> None:
         else:
             spawn(job, nproc)
     except K3Error as exc:
-        from k3dist.run.failures import exit_with_error
+        from k3dist.base.failures import exit_with_error
 
         exit_with_error(exc)
     except Exception as exc:  # noqa: BLE001 - the launcher's own failure: one line too, never a traceback
-        from k3dist.run.failures import exit_with_error, unexpected
+        from k3dist.base.failures import exit_with_error, unexpected
 
         exit_with_error(unexpected(exc))
 

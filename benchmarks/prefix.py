@@ -77,8 +77,8 @@ def snapshot_sizes(length: int) -> list[list[str]]:
     import torch
 
     from k3dist.config import load_config
-    from k3dist.engine.cache import cache_shapes
     from k3dist.engine.snapshots import snapshot_bytes
+    from k3dist.model.cache import cache_shapes
     from k3dist.settings import CONFIGS
 
     rows = []

@@ -64,10 +64,10 @@ class Runner:
 
     def run(self, window: Window) -> None:
         if self.snapshots is not None:  # evictions first: the pool never holds more than its bytes
+            for snap in sorted(set(window.demote) - set(window.drop)):  # demoted, then pushed out of the host tier too
+                self.snapshots.demote(snap)
             for snap in window.drop:
                 self.snapshots.drop(snap)
-            for snap in window.demote:
-                self.snapshots.demote(snap)
         if window.admit:
             self.admit(window.admit, window)
         if window.steps:

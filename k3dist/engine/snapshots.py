@@ -9,7 +9,7 @@ which snapshots exist (prefix.py); every rank makes, moves and drops its own in 
 import torch
 from torch import Tensor
 
-from .cache import HybridCache
+from ..model.cache import HybridCache
 
 
 def snapshot_bytes(shapes: dict, length: int, vocab_local: int, itemsize: int) -> int:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from ..base.errors import K3Error
+from ..model.cache import HybridCache
 from ..model.decoder import K3Model
-from .cache import HybridCache
 from .sampling import ALL_MODES, GREEDY, SamplingMode, choose_tokens
 
 TOP = 5  # top logits kept per generated token (result.json's top_logits, top_logprobs)

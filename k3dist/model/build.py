@@ -4,10 +4,10 @@ kernels chosen once. The job, the tests and the benchmarks all build through her
 import torch
 
 from ..config import ModelConfig
-from ..engine.cache import HybridCache
 from ..kernels.backend import Kernels
 from ..kernels.linear import Linear
 from ..kernels.moe import DenseExperts, dense_wanted
+from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
 from .kda import KDA
 from .mla import MLA

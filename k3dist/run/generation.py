@@ -6,9 +6,9 @@ import os
 import sys
 import threading
 
-from ..base import dist
+from ..base import dist, signals
+from ..base.failures import after_load
 from ..config import ModelConfig
-from ..engine.cache import HybridCache, cache_shapes
 from ..engine.control import Channel
 from ..engine.engine import Engine, follow
 from ..engine.prefix import PrefixIndex
@@ -17,13 +17,12 @@ from ..engine.snapshots import SnapshotStore, snapshot_bytes
 from ..engine.step import DecodeStep
 from ..kernels.backend import select
 from ..model.build import build_model
+from ..model.cache import HybridCache, cache_shapes
 from ..model.tp import TPComm
 from ..offline.output import Output
 from ..offline.run import run_offline
 from ..settings import Settings
 from ..weights.memory import start_peak_window, window_peak
-from . import signals
-from .failures import after_load
 
 
 def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:

@@ -16,17 +16,18 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ..base import dist
+from ..base import dist, signals
 from ..base.errors import K3Error
+from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
 from ..config import ModelConfig, load_config, validate_topology
-from ..engine.cache import cache_nbytes, cache_shapes
 from ..engine.runtime import runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
 from ..engine.step import capture_kind
 from ..kernels.linear import packable
 from ..kernels.moe import dense_wanted
+from ..model.cache import cache_nbytes, cache_shapes
 from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
 from ..offline.summary import print_summary
@@ -38,8 +39,6 @@ from ..weights.loader import load_weights
 from ..weights.memory import detect_free, peak_bytes, return_freed_memory
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
-from . import signals
-from .failures import exit_with_error, staged, unexpected
 from .generation import generate
 
 log = logging.getLogger("k3dist")

@@ -18,11 +18,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ..base import dist
+from ..base import dist, signals
 from ..base.outfiles import atomic_write
 from ..base.units import fmt_bytes, parse_bytes
 from ..weights.memory import peak_bytes
-from . import signals
 from .job import run_or_exit
 
 POINT = "point.json"

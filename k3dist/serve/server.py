@@ -9,10 +9,9 @@ import sys
 import threading
 import time
 
-from ..base import dist
+from ..base import dist, signals
 from ..base.errors import K3Error
-from ..run import signals
-from ..run.failures import after_load
+from ..base.failures import after_load
 
 log = logging.getLogger("k3dist")
 

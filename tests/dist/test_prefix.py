@@ -80,7 +80,7 @@ def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
 def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(model_dir):
     """A pool of two 40-token snapshots and a host tier of one: documents come and go, snapshots are demoted and
     dropped on both ranks alike, and every answer stays what it is without reuse."""
-    from k3dist.engine.cache import cache_shapes
+    from k3dist.model.cache import cache_shapes
     from k3dist.engine.snapshots import snapshot_bytes
     from k3dist.config import load_config
 

@@ -8,10 +8,10 @@ from safetensors.torch import save_file
 from k3dist.base import dist
 from k3dist.base.dtypes import BY_NAME
 from k3dist.config import load_config, validate_topology
-from k3dist.engine.cache import HybridCache, cache_nbytes, cache_shapes
 from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.engine.step import DecodeStep
 from k3dist.model.build import build_model
+from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
 from k3dist.model.tp import TPComm
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
@@ -160,12 +160,12 @@ def prefix_turns(
     end before the next is added. A request {"after": i, "then": [ids]} continues request i of the previous turn:
     its prompt, its completion, then `then` (a chat's next turn). Rank 0 returns per turn its completions and the
     prefix statistics so far; other ranks follow and return None."""
-    from k3dist.engine.cache import cache_shapes
     from k3dist.engine.engine import follow
     from k3dist.engine.prefix import PrefixIndex
     from k3dist.engine.requests import Prompt
     from k3dist.engine.runner import Runner
     from k3dist.engine.snapshots import SnapshotStore, snapshot_bytes
+    from k3dist.model.cache import cache_shapes
 
     rt, cfg, model, cache = bind(model_dir, dtype, batch, cap)
     step = DecodeStep(model, cache, (SamplingMode(True, True),))

@@ -5,8 +5,8 @@ import torch
 from k3dist.kernels.backend import select
 
 from k3dist.config import parse_config
-from k3dist.engine.cache import HybridCache
 from k3dist.model.build import build_model
+from k3dist.model.cache import HybridCache
 from k3dist.model.tp import TPComm
 from k3dist.twin.checkpoint import init_tensor
 from k3dist.weights.tp_plan import plan_rank, store_shapes

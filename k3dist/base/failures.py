@@ -15,8 +15,8 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from ..base import dist
-from ..base.errors import K3Error
+from . import dist
+from .errors import K3Error
 
 
 def staged(stage: str, rt: dist.Runtime, fn):
