@@ -4,135 +4,34 @@ Header-level corruptions are crafted by hand (8-byte little-endian length + JSON
 checkpoint; schema-level ones are real safetensors files; one case runs the real CLI on two ranks.
 """
 
-import ctypes
 import json
 import os
-import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3dist.base.errors import K3Error
 from k3dist.config import load_config, validate_topology
-from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import INDEX, scan
-from tests.support.configs import small_config
-
-ROOT = Path(__file__).resolve().parents[2]
-SHARD = "model-00002-of-00004.safetensors"  # the file most cases corrupt (a middle one)
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    """A small valid checkpoint in 4 files + index (written once per module, copied per case)."""
-    d = write_checkpoint(small_config(), tmp_path_factory.mktemp("good") / "model", seed=7, shard_bytes=200_000)
-    assert sorted(p.name for p in d.glob("*.safetensors"))[1] == SHARD
-    scan(d, load_config(d))  # valid to begin with
-    return d
-
-
-@pytest.fixture(scope="module")
-def outside(tmp_path_factory, good) -> Path:
-    """A valid safetensors file outside any model dir (a copy of a real shard), for escapes to aim at."""
-    path = tmp_path_factory.mktemp("outside") / "outside.safetensors"
-    shutil.copy(good / SHARD, path)
-    return path
-
-
-def read_raw(path: Path) -> tuple[dict, bytes]:
-    blob = path.read_bytes()
-    n = struct.unpack("<Q", blob[:8])[0]
-    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
-
-
-def write_raw(path: Path, header: dict | bytes, data: bytes, length: int | None = None) -> None:
-    text = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
-    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
-
-
-def tensors_by_offset(header: dict) -> list[tuple[str, list[int]]]:
-    return sorted(((k, v["data_offsets"]) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1])
-
-
-def load_all(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(path, framework="pt") as h:
-        return {k: h.get_tensor(k).clone() for k in h.keys()}
-
-
-def edit_index(d: Path, fn) -> None:
-    index = json.loads((d / INDEX).read_text())
-    fn(index["weight_map"])
-    (d / INDEX).write_text(json.dumps(index))
-
-
-def edit_config(d: Path, fn) -> None:
-    raw = json.loads((d / "config.json").read_text())
-    fn(raw)
-    (d / "config.json").write_text(json.dumps(raw))
-
-
-@contextmanager
-def deadline(seconds: float):
-    """Fail (TimeoutError) instead of hanging."""
-
-    def boom(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-class OpenWatch:
-    """inotify IN_OPEN on a directory: sees every open of its files, from Python or from safetensors' Rust."""
-
-    IN_OPEN, IN_NONBLOCK = 0x20, os.O_NONBLOCK
-
-    def __init__(self, directory: Path):
-        self.fd = -1
-        if not sys.platform.startswith("linux"):
-            return
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = libc.inotify_init1(self.IN_NONBLOCK)
-        if self.fd >= 0 and libc.inotify_add_watch(self.fd, str(directory).encode(), self.IN_OPEN) < 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def opened(self) -> bool:
-        """Any open since the last call."""
-        seen = False
-        while self.fd >= 0:
-            try:
-                seen |= bool(os.read(self.fd, 65536))
-            except BlockingIOError:
-                break
-        return seen
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-
+from tests.support.bad_files import (
+    ROOT,
+    SHARD,
+    OpenWatch,
+    deadline,
+    edit_config,
+    edit_index,
+    load_all,
+    read_raw,
+    tensors_by_offset,
+    write_raw,
+)
 
 # ---------------------------------------------------------------------------------------------- the cases
 
@@ -485,123 +384,3 @@ def test_cli_two_ranks_refuse_a_truncated_file(good, tmp_path):
     assert any(str(bad) in line and "data bytes" in line for line in lines), lines
     assert not (tmp_path / "r.json").exists()
     assert elapsed < 90, f"took {elapsed:.1f} s"
-
-
-# ---------------------------------------------------------------------------------------------- fuzz
-
-
-def _scan_or_refuse(d: Path, watch: OpenWatch) -> None:
-    """scan() either succeeds (every file inside d) or raises K3Error; never anything else, never a hang."""
-    cfg = load_config(d)
-    try:
-        with deadline(20):
-            inv = scan(d, cfg)
-    except K3Error as exc:
-        assert "\n" not in str(exc)
-    else:
-        assert all((d / f).resolve().is_relative_to(d.resolve()) for f in inv.files)
-    assert not watch.opened(), "a file outside the model dir was opened"
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    file_no=st.integers(0, 3),
-    edits=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255)), min_size=1, max_size=8),
-)
-def test_fuzz_header_bytes(good, outside, file_no, edits):
-    watch = OpenWatch(outside.parent)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            d = Path(tmp) / "model"
-            shutil.copytree(good, d)
-            path = sorted(d.glob("*.safetensors"))[file_no]
-            blob = bytearray(path.read_bytes())
-            region = 8 + struct.unpack("<Q", blob[:8])[0]  # the length prefix and the JSON header
-            for pos, value in edits:
-                blob[pos % region] = value
-            path.write_bytes(bytes(blob))
-            _scan_or_refuse(d, watch)
-    finally:
-        watch.close()
-
-
-ESCAPES = [
-    "{outside}",
-    "../outside/outside.safetensors",
-    "sub/../../outside/outside.safetensors",
-    "linked.safetensors",
-    "./../outside/outside.safetensors",
-    "model-00001-of-00004.safetensors/..",
-]
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    key=st.sampled_from(["lm_head.weight", "model.norm.weight", "model.layers.2.self_attn.A_log"]),
-    target=st.one_of(st.sampled_from(ESCAPES), st.text(max_size=40)),
-    edits=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255)), max_size=6),
-)
-def test_fuzz_index(good, outside, key, target, edits):
-    """Random weight_map targets (escapes, arbitrary text) and random byte edits of the index text."""
-    with tempfile.TemporaryDirectory() as tmp:
-        # model dir and a valid file side by side, so the relative escapes aim at something scan could read
-        away = Path(tmp) / "outside" / "outside.safetensors"
-        away.parent.mkdir()
-        shutil.copy(outside, away)
-        d = Path(tmp) / "model"
-        shutil.copytree(good, d)
-        (d / "linked.safetensors").symlink_to(away)
-        escape = target in ESCAPES
-        target = target.replace("{outside}", str(away))
-        edit_index(d, lambda wm: wm.update({key: target}))
-        if edits:
-            blob = bytearray((d / INDEX).read_bytes())
-            for pos, value in edits:
-                blob[pos % len(blob)] = value
-            (d / INDEX).write_bytes(bytes(blob))
-        watch = OpenWatch(away.parent)
-        try:
-            _scan_or_refuse(d, watch)
-            if escape and not edits:
-                with pytest.raises(K3Error, match="outside the model dir"):
-                    scan(d, load_config(d))
-                assert not watch.opened()
-        finally:
-            watch.close()
-
-
-_JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=6,
-)
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    edits=st.lists(
-        st.tuples(st.sampled_from(sorted(small_config())), st.one_of(st.just("<drop>"), _JSON_VALUES)),
-        min_size=1,
-        max_size=3,
-    )
-)
-def test_fuzz_config_fields(tmp_path, edits):
-    """Any field of config.json replaced by any JSON value (or dropped): a config or a K3Error, nothing else."""
-    raw = small_config()
-    for field, value in edits:
-        if value == "<drop>":
-            raw.pop(field, None)
-        else:
-            raw[field] = value
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(raw))
-    with deadline(10):
-        try:
-            cfg = load_config(path)
-        except K3Error as exc:
-            assert str(path) in str(exc) and "\n" not in str(exc)
-            return
-        try:
-            validate_topology(cfg, 2)
-        except K3Error as exc:
-            assert re.search(r"world size 2 does not divide", str(exc))
