@@ -50,10 +50,6 @@ class Window:
     mode: SamplingMode = GREEDY  # the least sampling mode covering the live slots
     stop: int | None = None  # shutdown: every rank leaves its loop (the exit code, 0 for a normal end)
 
-    @property
-    def idle(self) -> bool:
-        return not (self.admit or self.steps or self.ended or self.drop or self.demote) and self.stop is None
-
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
