@@ -34,9 +34,6 @@ from k3dist.weights.tp_plan import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "k3dist" / "configs"
-TWIN_CONFIG = CONFIGS / "Kimi-K3-0.40B-config.json"
-REAL_CONFIG = CONFIGS / "Kimi-Linear-48B-A3B-config.json"
 
 # One tensor name per axis of the policy (the axis comes from the name, as in a checkpoint).
 AXIS_EXAMPLES = {

@@ -19,11 +19,6 @@ from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import INDEX, scan
 from k3dist.weights.schema import expected_tensors
 from k3dist.weights.tp_plan import (
-    COLUMN,
-    HEADS,
-    REPLICATED,
-    ROW,
-    VOCAB,
     copy_shard,
     plan_rank,
     plan_tensor,
@@ -36,16 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "k3dist" / "configs"
 TWIN_CONFIG = CONFIGS / "Kimi-K3-0.40B-config.json"
 REAL_CONFIG = CONFIGS / "Kimi-Linear-48B-A3B-config.json"
-
-# One tensor name per axis of the policy (the axis comes from the name, as in a checkpoint).
-AXIS_EXAMPLES = {
-    REPLICATED: "model.layers.0.input_layernorm.weight",
-    VOCAB: "lm_head.weight",
-    COLUMN: "model.layers.1.self_attn.q_proj.weight",
-    ROW: "model.layers.1.self_attn.o_proj.weight",
-    HEADS: "model.layers.1.self_attn.A_log",
-}
-ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 # ---------------------------------------------------------------------------------------------- the TP plan table
