@@ -243,7 +243,7 @@ def parse(job: dict) -> Settings:
             compile=dec.choice("compile", ("auto", "on", "off")),
             sync_every=dec.integer("sync_every", 1),
         ),
-        kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "triton"))),
+        kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "cpu", "triton"))),
         run=RunSettings(mode=run.choice("mode", MODES)),
         out=job.get("out"),
         fault=Faults(**fault),

@@ -55,7 +55,8 @@ def build_model(
             mlp = DenseMLP(lin, p + "mlp.", comm, dtype)
         else:
             moe = p + "block_sparse_moe."
-            mlp = MoE(w, lin, moe, cfg, comm, dtype, router_weights == "biased", dense_experts(moe))
+            biased = router_weights == "biased"
+            mlp = MoE(w, lin, moe, cfg, comm, dtype, biased, dense_experts(moe), kernels.moe_decode)
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
     head = lin("lm_head.weight")
