@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from ..base import dist
+from ..base import dist, threads
 from ..base.errors import K3Error
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
@@ -120,7 +120,7 @@ def run_rank(job: dict) -> dict | None:
     setup_logging(rt.rank)
     staged("outputs", rt, lambda: check_targets(s) if rt.is_main else None)  # not after a whole generation
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
+        torch.set_num_threads(len(threads.pin_rank(rt.local_rank, rt.local_world)) or 1)
         return_freed_memory()
     result = plan_only(s, rt) if s.run.mode == "plan" else load_and_generate(s, rt)
     memory = dist.exchange(measured_memory(rt.device, result.pop("runtime_measured", None)), rt)
