@@ -41,6 +41,7 @@ from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
 from ..weights.memory import detect_free, peak_bytes, return_freed_memory, start_peak_window, window_peak
+from ..weights.quant_plan import int8_terms
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
 from . import signals
@@ -238,7 +239,8 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         s.fault,
         runtime.total,
         s.memory.drop_page_cache,
-        derived_of(cfg, rt, dtype, pack, dense),
+        derived_of(cfg, rt, dtype, pack, dense, s.model.quant),
+        int8_terms(cfg, rt.world, rt.rank, dtype)[0] if s.model.quant == "int8" else 0,
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
@@ -252,21 +254,25 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     return result | generate(s, rt, cfg, store.tensors, dtype, prompts, mode, text, max_new, kind, pack)
 
 
-def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool) -> int:
+def derived_of(
+    cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool, quant: str = "none"
+) -> int:
     """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
-    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once."""
+    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
+    int8 (weights/quant_plan.py) makes one int8 copy at a time instead, and the LM head is then not packed."""
+    int8 = int8_terms(cfg, rt.world, rt.rank, dtype)[1] if quant == "int8" else 0
     if not pack:
-        return 0
-    head = -(-cfg.vocab_size // rt.world) * cfg.hidden_size
+        return int8
+    head = 0 if quant == "int8" else -(-cfg.vocab_size // rt.world) * cfg.hidden_size
     experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // rt.world) if dense else 0
-    return max(head, experts) * dtype.itemsize
+    return max(max(head, experts) * dtype.itemsize, int8)
 
 
 def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new, kind, pack) -> dict:
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
-    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack)
+    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack, s.model.quant)
     step = DecodeStep(model, cache, max_new, mode, kind)
     tokenizer = text.tokenizer if text else None
     eos = tokenizer.eos_ids if tokenizer else tuple(t for t in (cfg.eos_token_id,) if t is not None)
@@ -292,6 +298,7 @@ def generate(s, rt, cfg, weights, dtype, prompts, mode, text, max_new, kind, pac
         "kernels": model.kernels.name,
         "decode_compile": step.kind,
         "packed_weights": pack,
+        "quant": s.model.quant,
         "runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": runtime_peak},
     } | out.paths()
 
