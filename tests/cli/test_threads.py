@@ -12,18 +12,16 @@ import pytest
 from k3dist.base import threads
 from tests.support.cli_run import ROOT, run_cli
 
-SHOWN = re.compile(r"^\s*OMP_WAIT_POLICY = '(\w+)'", re.M)
-
-
-def _policies(text: str) -> list[str]:
-    return SHOWN.findall(text)
+SPIN = re.compile(r"^\s*GOMP_SPINCOUNT = '(\d+)'", re.M)
+POLICY = re.compile(r"^\s*OMP_WAIT_POLICY = '(\w+)'", re.M)
 
 
 @pytest.mark.parametrize("how", ["in-process", "spawned", "torchrun"])
 def test_every_rank_reads_k3dists_wait_policy(tmp_path, monkeypatch, how):
     """OMP_DISPLAY_ENV makes each process's libgomp print what it read when torch loaded it."""
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setenv("OMP_DISPLAY_ENV", "TRUE")
+    for name in threads.USERS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")
     args = ["run.mode=plan", "memory.free=8GiB"]
     from k3dist.base.dist import free_port
 
@@ -31,22 +29,25 @@ def test_every_rank_reads_k3dists_wait_policy(tmp_path, monkeypatch, how):
     torchrun = ["--nproc_per_node=2", *rdzv] if how == "torchrun" else None
     code, text, _ = run_cli(tmp_path, *args, *(["dist.nproc=2"] if how == "spawned" else []), torchrun=torchrun)
     assert code == 0, text
-    seen = _policies(text)
+    seen, ours = SPIN.findall(text), threads.OPENMP["GOMP_SPINCOUNT"]
     ranks = 1 if how == "in-process" else 2
-    assert len(seen) >= ranks and set(seen) == {threads.OPENMP["OMP_WAIT_POLICY"]}, seen
+    others = 1 if how == "torchrun" else 0  # torchrun's own agent imports torch before any of k3dist runs
+    assert seen.count(ours) >= ranks and len(seen) - seen.count(ours) <= others, seen
 
 
 def test_a_users_wait_policy_is_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    monkeypatch.setenv("OMP_DISPLAY_ENV", "TRUE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")
     code, text, _ = run_cli(tmp_path, "run.mode=plan", "memory.free=8GiB", "dist.nproc=2")
     assert code == 0, text
-    assert set(_policies(text)) == {"ACTIVE"}
+    assert set(POLICY.findall(text)) == {"PASSIVE"} and set(SPIN.findall(text)) == {"0"}
 
 
-def test_configure_sets_only_what_is_unset():
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert threads.configure_openmp(env) == {}
+def test_configure_sets_nothing_when_the_user_chose():
+    for name in threads.USERS:
+        env = {name: "x"}
+        assert threads.configure_openmp(env) == {} and env == {name: "x"}
     assert threads.configure_openmp({}) == threads.OPENMP
 
 
