@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"  # the 0.40B twin every benchmark runs
-VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 PEER_MIN = (5, 23)  # first transformers release with KimiLinearForCausalLM as k3dist reads it
 
 

@@ -3,6 +3,8 @@
     python benchmarks/decode.py                                   # CPU: worlds 1 2, batches 1 8, compile auto on
     python benchmarks/decode.py --worlds 1 --batches 1 --compile auto --max-new-tokens 8     # a quick look
     python benchmarks/decode.py --device cuda --json decode.json  # CUDA: world 1, batches 1 8 64, compile auto off
+    python benchmarks/decode.py --worlds 1 --compile auto --quants none int8 --prompt-len 64 --repeats 5 \
+        --llama-bench ~/llama-build/bin/llama-bench --gguf twin-bf16.gguf --gguf-q8 twin-q8_0.gguf   # vs llama.cpp
 
 k3dist: one `python launch.py` per (world, compile, batch) on the seeded random prompt of --prompt-len tokens; tok/s,
 step p50/p90 and warm-up seconds come from its result.json (ranks split the cores: `cores // world` threads each).
@@ -10,6 +12,10 @@ transformers (benchmarks/peer.py, a fresh process, torch's default threads) deco
 timing each step through a logits processor; on CUDA it runs only where its version has the model. --repeats times
 (default 3): the bandwidths, every k3dist point, the peer; figures are medians, ratios paired within a repeat (a
 shared machine's speed drifts by tens of percent between minutes).
+
+llama.cpp (benchmarks/llama.py, with --llama-bench and --gguf; skipped and said so without them): right after each
+world-1 k3dist point of the first --compile value, `llama-batched-bench` on the same batch, prompt length and new
+tokens, the bf16 GGUF beside model.quant=none and the Q8_0 one beside int8; ratios are paired the same way.
 
 Roofline (batch 1): active bytes = what one decode step must read on a rank (roofline.decode_read_bytes: weights
 once, the cache up to the mean decode position), checked against the plan's local_bytes. The kernel roofline is
@@ -29,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/ is the script dir; common puts the repo root on sys.path)
+import llama  # noqa: E402
 import roofline  # noqa: E402
 
 CAP = 4096  # cache.cap's default: the latent rows each MLA layer holds per sequence
@@ -82,9 +89,10 @@ def median_bandwidth(per_repeat: list[dict]) -> dict:
     return out | {"gemv_GBps_per_repeat": [b["gemv_GBps"] for b in per_repeat]}
 
 
-def k3_point(args, w: int, c: str, b: int, out: Path) -> dict:
+def k3_point(args, w: int, c: str, b: int, q: str, out: Path) -> dict:
     """One `python launch.py` decode run of the twin: its result.json, or {"error": ...}."""
     overrides = [
+        f"model.quant={q}",
         f"dist.nproc={w}",
         f"dist.device={args.device}",
         f"decode.compile={c}",
@@ -97,10 +105,11 @@ def k3_point(args, w: int, c: str, b: int, out: Path) -> dict:
     try:
         r = common.k3dist(overrides, out, args.timeout)
     except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
-        print(f"  k3dist world {w} compile {c} batch {b}: {common.short_error(exc)}", flush=True)
+        print(f"  k3dist world {w} compile {c} quant {q} batch {b}: {common.short_error(exc)}", flush=True)
         return {"error": common.short_error(exc)}
     print(
-        f"  k3dist world {w} compile {c} ({r['decode_compile']}) batch {b}: {r['decode_tokens_per_second']:.2f} "
+        f"  k3dist world {w} compile {c} ({r['decode_compile']}) quant {q} batch {b}: "
+        f"{r['decode_tokens_per_second']:.2f} "
         f"tok/s, warm-up {r['warmup_seconds']:.1f} s, wall {r['wall']:.1f} s",
         flush=True,
     )
@@ -129,10 +138,16 @@ def median_peer(peers: list[dict]) -> dict:
 
 def paired_ratio(mine: list[dict], peers: list[dict], b: int) -> tuple[float, list[float]] | None:
     """k3dist tok/s over the peer's of the same repeat (the two ran back to back): the median, and each one."""
-    ratios = [
-        rate(r) / rate(x["runs"][str(b)]) for r, x in zip(mine, peers, strict=True) if rate(r) and str(b) in x["runs"]
-    ]
+    theirs = [x["runs"].get(str(b)) for x in peers]
+    theirs = [t if isinstance(t, (int, float)) else rate(t) for t in theirs]
+    ratios = [rate(r) / t for r, t in zip(mine, theirs, strict=False) if rate(r) and t]
     return (statistics.median(ratios), ratios) if ratios else None
+
+
+def spread(values: list[float]) -> str:
+    """min-max and max / min of one point's repeats."""
+    values = [v for v in values if v]
+    return f"{min(values):.1f}-{max(values):.1f} ({max(values) / min(values):.2f}x)" if values else "-"
 
 
 def main() -> int:
@@ -144,6 +159,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="k3dist's points then the peer, this many times (medians)")
+    ap.add_argument("--quants", nargs="+", choices=["none", "int8"], default=["none"], help="model.quant values")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+    llama.add_args(ap)
     common.add_output_args(ap)
     args = ap.parse_args()
     args.out_md = args.out_md or common.RESULTS / ("decode.md" if args.device == "cpu" else "decode-cuda.md")
@@ -173,30 +191,41 @@ def main() -> int:
     runs: dict[tuple, list[dict]] = {}  # (world, compile, batch) -> one result per repeat
     peers: list[dict] = []
     bws: list[dict[int, dict]] = []
-    for rep in range(args.repeats):  # bandwidths, k3dist's points, the peer: repeats interleave them in time
+    lruns: dict[tuple, list[dict]] = {}  # (batch, quant) -> llama.cpp's result per repeat
+    for rep in range(args.repeats):  # bandwidths, k3dist's points (each with its llama.cpp twin), the peer
         bws.append(bandwidths(cfg, args.worlds, args.device, cores))
         for w in args.worlds:
             if rep == 0:
                 mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16)
             for c in args.compile:
-                for b in args.batches:
-                    r = k3_point(args, w, c, b, tmp / f"r{rep}-w{w}-{c}-b{b}.json")
-                    if "error" not in r:
-                        if r["model_dir"] != str(twin) or r.pop("prompt") != prompts[str(b)]:
-                            raise RuntimeError(
-                                f"k3dist ran {r['model_dir']} on other prompts than {twin} and seeded_ids"
-                            )
-                        if rep == 0:
-                            mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16, r["plan"])
-                    runs.setdefault((w, c, b), []).append(r)
-                    common.save_partial(args, runs)
-        peers.append(common.peer_or_skip("decode", lambda: spec, tmp, args.timeout * len(args.batches)))
+                for q in args.quants:
+                    for b in args.batches:
+                        r = k3_point(args, w, c, b, q, tmp / f"r{rep}-w{w}-{c}-{q}-b{b}.json")
+                        if "error" not in r:
+                            if r["model_dir"] != str(twin) or r.pop("prompt") != prompts[str(b)]:
+                                raise RuntimeError(
+                                    f"k3dist ran {r['model_dir']} on other prompts than {twin} and seeded_ids"
+                                )
+                            if rep == 0:
+                                mismatches += roofline.plan_mismatches(cfg, w, torch.bfloat16, r["plan"])
+                        runs.setdefault((w, c, b, q), []).append(r)
+                        if w == 1 and c == args.compile[0] and args.device == "cpu":
+                            gguf = args.gguf if q == "none" else args.gguf_q8
+                            x = llama.decode(args, gguf, [b], cores, args.prompt_len, args.max_new_tokens)
+                            lruns.setdefault((b, q), []).append(x)
+                            if x["runs"]:
+                                print(f"  llama.cpp {gguf.name} batch {b}: {x['runs'][str(b)]:.2f} tok/s", flush=True)
+                        common.save_partial(args, runs)
+        if args.no_transformers:
+            peers.append({"runs": {}, "skipped": "--no-transformers"})
+        else:
+            peers.append(common.peer_or_skip("decode", lambda: spec, tmp, args.timeout * len(args.batches)))
     k3 = {key: representative(rs) for key, rs in runs.items()}
     bw = {w: median_bandwidth([b[w] for b in bws]) for w in args.worlds}
     peer = median_peer(peers) if any(x.get("runs") for x in peers) else peers[0]
 
     head = ["system", "world", "threads/rank", "compile", "batch", "tok/s", "step p50 ms", "step p90 ms", "warm-up s"]
-    head += ["tok/s / peer", "per repeat", "greedy = peer"]
+    head += ["tok/s / peer", "per repeat", "greedy = peer", "tok/s / llama.cpp", "per repeat (llama.cpp)"]
     rows, roof_rows, data_rows = [], [], []
     roof_head = ["system", "world", "compile", "active MB/step", "achieved GB/s", "GEMV GB/s", "kernel roofline tok/s"]
     roof_head += ["% of kernel roofline", "prepacked GEMV GB/s", "% of prepacked roofline"]
@@ -231,31 +260,43 @@ def main() -> int:
         p = peer["runs"].get(str(b))
         for w in args.worlds:
             for c in args.compile:
-                r = k3[w, c, b]
-                threads = str(max(1, cores // w)) if args.device == "cpu" else "-"
-                if "error" in r:
-                    rows.append(["k3dist", str(w), threads, c, str(b), r["error"], *[""] * 6])
-                    continue
-                tok_s = r["decode_tokens_per_second"]
-                ratio = paired_ratio(runs[w, c, b], peers, b)
-                rows.append(
-                    [
-                        "k3dist",
-                        str(w),
-                        threads,
-                        f"{c} ({r['decode_compile']})",
-                        str(b),
-                        f"{tok_s:.2f}",
-                        f"{r['step_ms']['p50']:.1f}",
-                        f"{r['step_ms']['p90']:.1f}",
-                        f"{r['warmup_seconds']:.1f}",
-                        f"{ratio[0]:.2f}" if ratio else "n/a",
-                        " ".join(f"{x:.2f}" for x in ratio[1]) if ratio else "",
-                        agreement(r["tokens"], p["tokens"]) if p else "n/a",
-                    ]
-                )
-                if b == 1 and tok_s:
-                    roof("k3dist", w, c, tok_s)
+                for q in args.quants:
+                    r = k3[w, c, b, q]
+                    threads = str(max(1, cores // w)) if args.device == "cpu" else "-"
+                    system = "k3dist" if q == "none" else f"k3dist {q}"
+                    if "error" in r:
+                        rows.append([system, str(w), threads, c, str(b), r["error"], *[""] * 8])
+                        continue
+                    tok_s = r["decode_tokens_per_second"]
+                    ratio = paired_ratio(runs[w, c, b, q], peers, b)
+                    lratio = paired_ratio(runs[w, c, b, q], lruns.get((b, q), []), b) if w == 1 else None
+                    rows.append(
+                        [
+                            system,
+                            str(w),
+                            threads,
+                            f"{c} ({r['decode_compile']})",
+                            str(b),
+                            f"{tok_s:.2f}",
+                            f"{r['step_ms']['p50']:.1f}",
+                            f"{r['step_ms']['p90']:.1f}",
+                            f"{r['warmup_seconds']:.1f}",
+                            f"{ratio[0]:.2f}" if ratio else "n/a",
+                            " ".join(f"{x:.2f}" for x in ratio[1]) if ratio else "",
+                            agreement(r["tokens"], p["tokens"]) if p else "n/a",
+                            f"**{lratio[0]:.2f}**" if lratio else "n/a",
+                            " ".join(f"{x:.2f}" for x in lratio[1]) if lratio else "",
+                        ]
+                    )
+                    if b == 1 and tok_s and q == "none":
+                        roof("k3dist", w, c, tok_s)
+        for q in args.quants:
+            got = [x["runs"].get(str(b)) for x in lruns.get((b, q), [])]
+            if any(got):
+                name = "llama.cpp bf16" if q == "none" else "llama.cpp Q8_0"
+                med = statistics.median(t for t in got if t)
+                row = [name, "1", str(cores), "-", str(b), f"{med:.2f}", *[""] * 6, "1.00"]
+                rows.append(row + [" ".join(f"{t:.2f}" if t else "-" for t in got) + " tok/s"])
         if p:
             ms = Timings(window_step_seconds=p["step_seconds"]).step_ms()
             rows.append(
@@ -272,12 +313,14 @@ def main() -> int:
                     "1.00",
                     " ".join(f"{x:.2f}" for x in p["repeat_tok_s"]) + " tok/s",
                     "",
+                    "",
+                    "",
                 ]
             )
             if b == 1:
                 roof("transformers", 1, "-", p["decode_tokens_per_second"])
         else:
-            rows.append(["transformers", "1", "", "-", str(b), peer.get("error") or "skipped", *[""] * 6])
+            rows.append(["transformers", "1", "", "-", str(b), peer.get("error") or "skipped", *[""] * 8])
 
     w1 = roofline.decode_read_bytes(cfg, 1, 2, position)
     unused = roofline.decode_read_bytes(cfg, 1, 2, CAP - 1)["cache"] - w1["cache"]
@@ -310,22 +353,41 @@ def main() -> int:
     if skip := peer.get("skipped"):
         notes.append(f"transformers peer skipped: {skip}.")
     tables = [common.md_table(head, rows), "Roofline, batch 1\n\n" + common.md_table(roof_head, roof_rows)]
+    spreads = [
+        [f"{q}, batch {b}", spread([rate(r) for r in runs[1, args.compile[0], b, q]]), spread(theirs)]
+        for q in args.quants
+        for b in args.batches
+        if (1, args.compile[0], b, q) in runs and any(theirs := [x["runs"].get(str(b)) for x in lruns.get((b, q), [])])
+    ]
+    if spreads:
+        head_s = ["point (world 1)", "k3dist tok/s over the repeats", "llama.cpp tok/s over the repeats"]
+        tables.append("Spread over the repeats\n\n" + common.md_table(head_s, spreads))
+        notes.append(
+            f"llama.cpp commit {llama.build_commit(args)}: `llama-batched-bench -t {cores} -c 4096 -npp "
+            f"{args.prompt_len} -ntg {args.max_new_tokens} -npl B` right after each world-1 k3dist point "
+            f"({args.gguf.name} beside model.quant=none, {args.gguf_q8.name if args.gguf_q8 else '-'} beside int8); "
+            "`tok/s / llama.cpp` the median of the paired ratios, `per repeat` each one."
+        )
+    else:
+        notes.append(f"llama.cpp peer skipped: {llama.missing(args, llama.batched_bench(args))}.")
     data = {
         "args": vars(args),
         "bandwidth": bw,
         "bandwidth_per_repeat": bws,
         "roofline": data_rows,
         "plan_mismatches": mismatches,
-        "k3dist": [{"world": w, "compile": c, "batch": b} | r for (w, c, b), r in k3.items()],
+        "k3dist": [{"world": w, "compile": c, "batch": b, "quant": q} | r for (w, c, b, q), r in k3.items()],
         "peer": peer,
+        "llama_cpp": {f"b{b}-{q}": xs for (b, q), xs in lruns.items()},
         "repeats": {
             "k3dist": [
-                {"world": w, "compile": c, "batch": b, "tok_s": [rate(r) for r in rs]} for (w, c, b), rs in runs.items()
+                {"world": w, "compile": c, "batch": b, "quant": q, "tok_s": [rate(r) for r in rs]}
+                for (w, c, b, q), rs in runs.items()
             ],
             "peer": [{b: rate(x) for b, x in rr.get("runs", {}).items()} for rr in peers],
         },
     }
-    common.publish(args, "Decode: k3dist vs transformers generate", tables, notes, m, data, started)
+    common.publish(args, "Decode: k3dist vs transformers and llama.cpp", tables, notes, m, data, started)
     return 1 if any("error" in r for r in k3.values()) or "error" in peer else 0
 
 

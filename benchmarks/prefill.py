@@ -10,6 +10,9 @@ default 512), batch --batch at the longest length (its TTFT over batch 1's; targ
 longest length (`full` = the whole prompt in one forward).
 transformers (benchmarks/peer.py, one fresh process): after an untimed warm-up forward, one forward over the same
 ids per repeat, last-token logits only; the median.
+llama.cpp (benchmarks/llama.py, with --llama-bench and --gguf; skipped and said so without them): right after each
+batch-1 k3dist run, `llama-bench -p L -n 0 -r 1` (it warms up first; TTFT = L / its prompt tok/s), so the two
+alternate and the ratio is paired per repeat.
 """
 
 import argparse
@@ -22,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/ is the script dir; common puts the repo root on sys.path)
+import llama  # noqa: E402
 
 TARGET_SPEEDUP, TARGET_BATCH_RATIO = 4.0, 4.5
 
@@ -46,6 +50,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256, help="generate.prefill_chunk of the length and batch rows")
     ap.add_argument("--chunks", type=chunk_value, nargs="*", default=["256", "512", "1024", "full"])
     ap.add_argument("--repeats", type=int, default=3, help="fresh runs per point; medians")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+    llama.add_args(ap)
     common.add_output_args(ap)
     args = ap.parse_args()
     args.out_md = args.out_md or common.RESULTS / ("prefill.md" if args.device == "cpu" else "prefill-cuda.md")
@@ -67,6 +73,7 @@ def main() -> int:
     points = list(dict.fromkeys((b, n, min(c, n)) for b, n, c in points))  # a chunk >= the prompt is `full`
 
     k3: dict[tuple, dict] = {}
+    lpre: dict[int, list[float | None]] = {}  # prompt length -> llama.cpp's TTFT after each batch-1 k3dist run
     for b, n, c in points:
         overrides = ["model.dtype=bfloat16", f"dist.device={args.device}", "generate.prompt=null"]
         overrides += [f"generate.prompt_len={n}", f"generate.batch={b}", f"generate.prefill_chunk={c}"]
@@ -77,6 +84,9 @@ def main() -> int:
                 runs.append(common.k3dist(overrides, tmp / f"b{b}-n{n}-c{c}-{i}.json", args.timeout))
                 if runs[-1].pop("prompt") != seeded_ids(b, n, cfg.vocab_size, 0):
                     raise RuntimeError("k3dist's prompt is not seeded_ids' draw")
+                paired = b == 1 and c == min(args.chunk, n) and n in args.lengths
+                if paired and not llama.missing(args, args.llama_bench):
+                    lpre.setdefault(n, []).append(llama.prefill(args, [n], cores, 1)["ttft"].get(str(n)))
         except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
             k3[b, n, c] = {"error": common.short_error(exc)}
             print(f"  k3dist batch {b} x {n} chunk {c}: {k3[b, n, c]['error']}", flush=True)
@@ -87,14 +97,17 @@ def main() -> int:
 
     runs = [{"key": str(n), "ids": seeded_ids(1, n, cfg.vocab_size, 0)} for n in args.lengths]
     spec = {"model_dir": str(twin), "device": args.device, "runs": runs, "repeats": args.repeats}
-    peer = common.peer_or_skip("prefill", lambda: spec, tmp, args.timeout * len(args.lengths))
+    if args.no_transformers:
+        peer = {"runs": {}, "skipped": "--no-transformers"}
+    else:
+        peer = common.peer_or_skip("prefill", lambda: spec, tmp, args.timeout * len(args.lengths))
 
     def median(point) -> float | None:
         return statistics.median(point["seconds"]) if "seconds" in point else None
 
     base = median(k3.get((1, longest, min(args.chunk, longest)), {}))
     head = ["system", "batch", "prompt tokens", "prefill_chunk", "TTFT s (median, min-max)", "prompt tok/s"]
-    head += ["peer TTFT / k3dist", "TTFT / batch 1"]
+    head += ["peer TTFT / k3dist", "TTFT / batch 1", "llama.cpp TTFT / k3dist", "per repeat (llama.cpp)"]
     rows, data_rows = [], []
     for (b, n, c), point in k3.items():
         t = median(point)
@@ -103,8 +116,10 @@ def main() -> int:
         ratio = t / base if b > 1 and t and base else None
         chunk = "full" if c >= n else str(c)
         if t is None:
-            rows.append(["k3dist", str(b), str(n), chunk, point["error"], "", "", ""])
+            rows.append(["k3dist", str(b), str(n), chunk, point["error"], "", "", "", "", ""])
             continue
+        paired = [x / y for x, y in zip(lpre.get(n, []), point["seconds"], strict=False) if x and y]
+        paired = paired if b == 1 and c == min(args.chunk, n) else []
         rows.append(
             [
                 "k3dist",
@@ -115,6 +130,8 @@ def main() -> int:
                 f"{b * n / t:.0f}",
                 common.fmt(speedup, ".2f", "n/a" if b == 1 else ""),
                 common.fmt(ratio, ".2f"),
+                f"**{statistics.median(paired):.2f}**" if paired else "",
+                " ".join(f"{x:.2f}" for x in paired),
             ]
         )
         data_rows.append(
@@ -126,16 +143,23 @@ def main() -> int:
                 "ttft": t,
                 "speedup": speedup,
                 "batch_ratio": ratio,
+                "llama_speedup": statistics.median(paired) if paired else None,
+                "llama_paired": paired,
             }
         )
     for n in args.lengths:
         p = peer["runs"].get(str(n))
         if p is None:
-            rows.append(["transformers", "1", str(n), "-", peer.get("error") or "skipped", "", "", ""])
+            rows.append(["transformers", "1", str(n), "-", peer.get("error") or "skipped", "", "", "", "", ""])
             continue
         t = statistics.median(p["seconds"])
-        rows.append(["transformers", "1", str(n), "-", spread(p["seconds"]), f"{n / t:.0f}", "1.00", ""])
+        rows.append(["transformers", "1", str(n), "-", spread(p["seconds"]), f"{n / t:.0f}", "1.00", "", "", ""])
         data_rows.append({"system": "transformers", "batch": 1, "tokens": n, "ttft": t})
+    for n, got in lpre.items():
+        if ok := [x for x in got if x]:
+            t = statistics.median(ok)
+            rows.append(["llama.cpp bf16", "1", str(n), "-", spread(ok), f"{n / t:.0f}", "", "", "1.00", ""])
+            data_rows.append({"system": "llama.cpp", "batch": 1, "tokens": n, "ttft": t, "per_repeat": got})
 
     notes = [
         f"twin `{twin.name}`, bf16, seeded random prompts (k3dist.offline.prompts.seeded_ids: the same ids for both); "
@@ -150,13 +174,20 @@ def main() -> int:
     ]
     if skip := peer.get("skipped"):
         notes.append(f"transformers peer skipped: {skip}.")
+    if lpre:
+        notes.append(
+            f"llama.cpp commit {llama.build_commit(args)}: `llama-bench -m {args.gguf.name} -t {cores} -p L -n 0 -r 1` "
+            "after each batch-1 k3dist run; `llama.cpp TTFT / k3dist` the median of the paired ratios."
+        )
+    else:
+        notes.append(f"llama.cpp peer skipped: {llama.missing(args, args.llama_bench)}.")
     data = {
         "args": vars(args),
         "rows": data_rows,
         "k3dist": [{"batch": b, "tokens": n, "chunk": c} | v for (b, n, c), v in k3.items()],
         "peer": peer,
     }
-    title = "Prefill (time to first token): k3dist vs transformers"
+    title = "Prefill (time to first token): k3dist vs transformers and llama.cpp"
     common.publish(args, title, [common.md_table(head, rows)], notes, m, data, started)
     return 1 if any("error" in v for v in k3.values()) or "error" in peer else 0
 

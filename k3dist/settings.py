@@ -27,6 +27,7 @@ class ModelSettings:
     dtype: str  # auto or a compute dtype
     seed: int  # seed of the twin's random weights
     router_weights: str
+    quant: str = "none"  # none or int8: weight-only int8 projections, made at bind time (weights/quant_plan.py)
 
     def compute_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         return compute_dtype(checkpoint_dtype if self.dtype == "auto" else self.dtype).torch
@@ -221,6 +222,7 @@ def _model(sec: _Section) -> ModelSettings:
         dtype=sec.choice("dtype", ("auto", *COMPUTE)),
         seed=sec.integer("seed"),
         router_weights=sec.choice("router_weights", ("unbiased", "biased")),
+        quant=sec.choice("quant", ("none", "int8")) if "quant" in sec.values else "none",
     )
 
 
@@ -303,7 +305,7 @@ def parse(job: dict) -> Settings:
             compile=dec.choice("compile", ("auto", "on", "off")),
             sync_every=dec.integer("sync_every", 1),
         ),
-        kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "triton"))),
+        kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "cpu", "triton"))),
         run=RunSettings(mode=run.choice("mode", MODES)),
         serve=_serve(serve),
         prefix=_prefix(prefix, gen.values.get("prefill_chunk")),

@@ -1,7 +1,9 @@
-"""The kernel backend, chosen once when the model is built (`kernels.backend=auto|torch|triton`).
+"""The kernel backend, chosen once when the model is built (`kernels.backend=auto|torch|cpu|triton`).
 
-The torch references are the oracle and the CPU path; the Triton kernels implement the same signatures for the GPU.
-The model receives a `Kernels` the way it receives its `TPComm`, and never asks again.
+The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
+ops (kernels/cpu_ops.py) the KDA decode core and the decode MoE block for the CPU. `auto` is Triton on CUDA and the
+CPU ops on a CPU, each where it builds or imports, else the references. The model receives a `Kernels` the way it
+receives its `TPComm`, and never asks again.
 """
 
 from collections.abc import Callable
@@ -18,9 +20,18 @@ class Kernels:
     name: str
     kda_decode: Callable  # kda_fused.kda_decode_fused's signature
     mla_decode: Callable  # mla.mla_decode's signature
+    moe_decode: Callable | None = None  # cpu_ops.moe_decode's signature; None: the torch MoE paths
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
+
+
+def _cpu() -> Kernels | None:
+    from k3dist.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        return None
+    return Kernels("cpu", cpu_ops.kda_decode, mla.mla_decode, cpu_ops.moe_decode)
 
 
 def _triton() -> Kernels:
@@ -30,9 +41,19 @@ def _triton() -> Kernels:
 
 
 def select(backend: str, device: torch.device) -> Kernels:
-    """auto: Triton on CUDA when it imports, else torch. triton: Triton or a clear refusal."""
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+    """auto: Triton on CUDA when it imports, the CPU ops on a CPU when they build, else torch. triton and cpu: those
+    or a clear refusal."""
+    if backend == "torch":
         return TORCH
+    if backend == "cpu" and device.type != "cpu":
+        raise K3Error(f"kernels.backend=cpu runs on the CPU only (dist.device is {device.type})")
+    if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
+        cpu = _cpu()
+        if cpu is None and backend == "cpu":
+            from k3dist.kernels import cpu_ops
+
+            raise K3Error(f"kernels.backend=cpu: the CPU kernels do not build here ({cpu_ops.build_error()})")
+        return cpu or TORCH
     try:
         return _triton()
     except ImportError as exc:

@@ -136,6 +136,8 @@ class Runner:
         self.stage = "decode"
         self.step.rows = window.rows
         self.faults.after_load(self.rank, "decode")
+        if self.model.threads is not None:  # the CPU's thread governor times steps, not the gaps between windows
+            self.model.threads.pause()
         start = time.perf_counter()
         for _ in range(window.steps):
             self.step(window.mode)

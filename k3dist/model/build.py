@@ -7,6 +7,8 @@ from ..config import ModelConfig
 from ..kernels.backend import Kernels
 from ..kernels.linear import Linear
 from ..kernels.moe import DenseExperts, dense_wanted
+from ..kernels.quant import Int8Linear
+from ..weights.quant_plan import quantized
 from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
 from .kda import KDA
@@ -23,10 +25,12 @@ def build_model(
     kernels: Kernels,
     router_weights: str = "unbiased",
     pack: bool = False,
+    quant: str = "none",
 ) -> K3Model:
     """With `pack`, the projections' weights are reordered for oneDNN one at a time (kernels/linear.py) and the
     plain ones leave `weights`, so at most one weight exists twice at any moment (three times for a dense expert
-    layout's w2: plain, permuted, packed)."""
+    layout's w2: plain, permuted, packed). With `quant="int8"` the projections weights/quant_plan.py names become
+    int8 the same way, one at a time (kernels/quant.py)."""
     w = weights.__getitem__
     dtype = weights["model.embed_tokens.weight"].dtype
     dense = dense_wanted(cfg.num_experts, cfg.top_k, cache.batch, pack)
@@ -37,10 +41,12 @@ def build_model(
         return DenseExperts(weights.pop(prefix + "experts.w13"), weights.pop(prefix + "experts.w2"), pack)
 
     def lin(name: str):
-        weight = weights.pop(name) if pack else weights[name]
+        int8 = quant == "int8" and quantized(name)
+        weight = weights.pop(name) if pack or int8 else weights[name]
+        make = Int8Linear if int8 else lambda part: Linear(part, pack)
         if weight.dim() == 3:  # stacked projections (KDA's f_b, g_b): one Linear each
-            return tuple(Linear(part, pack) for part in weight.unbind(0))
-        return Linear(weight, pack)
+            return tuple(make(part) for part in weight.unbind(0))
+        return make(weight)
 
     layers = []
     for spec in cfg.layers:
@@ -55,7 +61,8 @@ def build_model(
             mlp = DenseMLP(lin, p + "mlp.", comm, dtype)
         else:
             moe = p + "block_sparse_moe."
-            mlp = MoE(w, lin, moe, cfg, comm, dtype, router_weights == "biased", dense_experts(moe))
+            biased = router_weights == "biased"
+            mlp = MoE(w, lin, moe, cfg, comm, dtype, biased, dense_experts(moe), kernels.moe_decode)
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
     head = lin("lm_head.weight")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..base.threads import ThreadGovernor
 from ..config import LayerSpec
 from .layers import rmsnorm
 
@@ -36,6 +37,7 @@ class K3Model:
         self.cfg, self.comm, self.kernels = cfg, comm, kernels
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head  # [V_local, D]; head: a Linear
         self.dtype = embed.dtype
+        self.threads = ThreadGovernor(torch.get_num_threads()) if embed.device.type == "cpu" else None
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """Masked lookup in this rank's vocab rows, summed over ranks, fp32."""
@@ -60,6 +62,8 @@ class K3Model:
         Writes the slots' cache in place (their positions are the caller's to advance). Returns this rank's logits
         of the last token [n, V_local], or of every token [n, T, V_local].
         """
+        if self.threads is not None:
+            self.threads.prefill()
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer.prefill(h, slots, start, self.dtype)
@@ -69,8 +73,11 @@ class K3Model:
         """The static step's model part: tokens [B] at positions [B] (device tensors) -> logits [B, V_local].
 
         Every shape is fixed by the batch and the cache capacity; nothing is read on the host. An eager step may pass
-        `rows`, a bound the host knows on every slot's position, so MLA attends to fewer cache rows.
+        `rows`, a bound the host knows on every slot's position, so MLA attends to fewer cache rows. On the CPU an
+        eager step first lets the thread governor time the previous one (base/threads.py).
         """
+        if self.threads is not None and not torch.compiler.is_compiling():
+            self.threads.tick()
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer.decode(h, positions, self.dtype, rows)

@@ -1,7 +1,9 @@
 """MoE (docs/model.md): sigmoid router with a selection-only correction bias, routed SwiGLU experts split by expert
 size over ranks, a shared expert, and one all-reduce for the whole block. No path reads anything on the host:
 decode gathers the chosen experts' weights, prefill groups tokens by expert with static shapes; or, where the
-batch covers the experts on a CPU, every expert runs as one dense GEMM pair (kernels/moe.py's `dense_wanted`)."""
+batch covers the experts on a CPU, every expert runs as one dense GEMM pair (kernels/moe.py's `dense_wanted`); or,
+with the CPU kernels and few (token, expert) pairs, the whole block after the router's GEMV is one op
+(kernels/cpu_ops.py), reading the stacked and shared weights in place."""
 
 from functools import partial
 
@@ -9,31 +11,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.linear import Linear
 from ..kernels.moe import DenseExperts, experts_gathered, experts_grouped, experts_sorted
 from .layers import swiglu
 
 
 class MoE:
     def __init__(
-        self, w, lin, prefix: str, cfg, comm, dtype: torch.dtype, biased=False, dense: DenseExperts | None = None
+        self,
+        w,
+        lin,
+        prefix: str,
+        cfg,
+        comm,
+        dtype: torch.dtype,
+        biased=False,
+        dense: DenseExperts | None = None,
+        kernel=None,
     ):
         self.gate = w(prefix + "gate.weight")  # [E, D] fp32
         self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
         self.dense, self.dtype, self.experts = dense, dtype, cfg.num_experts
+        self.top_k, self.groups, self.topk_group = cfg.top_k, cfg.num_expert_group, cfg.topk_group
+        self.renormalize, self.scale, self.biased = cfg.renormalize, cfg.routed_scaling_factor, biased
+        self.comm = comm
+        # the one-op CPU block (cpu_ops.moe_decode): one expert group, stacked weights, and plain shared weights
+        self.kernel = kernel if dense is None and self.groups == 1 else None
+        self.stacked = None
         if dense is None:  # stacked [E, 2I, D], [E, D, I]: each path bound to them once
-            stacked = {"w13": w(prefix + "experts.w13"), "w2": w(prefix + "experts.w2")}
+            self.stacked = {"w13": w(prefix + "experts.w13"), "w2": w(prefix + "experts.w2")}
             self._few, self._many, self._chunk = (
-                partial(path, **stacked) for path in (experts_gathered, experts_sorted, experts_grouped)
+                partial(path, **self.stacked) for path in (experts_gathered, experts_sorted, experts_grouped)
             )
         else:
             self._few = self._many = self._chunk = dense
         shared = prefix + "shared_experts."
+        shared_lin = lin if self.kernel is None else (lambda name: Linear(w(name)))
         self.shared = (
-            (lin(shared + "gate_up_proj.weight"), lin(shared + "down_proj.weight")) if cfg.num_shared_experts else None
+            (shared_lin(shared + "gate_up_proj.weight"), shared_lin(shared + "down_proj.weight"))
+            if cfg.num_shared_experts
+            else None
         )
-        self.top_k, self.groups, self.topk_group = cfg.top_k, cfg.num_expert_group, cfg.topk_group
-        self.renormalize, self.scale, self.biased = cfg.renormalize, cfg.routed_scaling_factor, biased
-        self.comm = comm
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [N, D] -> (expert ids [N, k], combination weights [N, k] fp32)."""
@@ -66,7 +84,21 @@ class MoE:
         grouped GEMMs, reading each expert once; dense experts take both. The choice depends on the batch only: a static
         shape either way."""
         few = x.reshape(-1, x.shape[-1]).shape[0] * self.top_k < self.experts
+        if few and self.kernel is not None:
+            return self._one_op(x)
         return self._forward(x, self._few if few else self._many)
+
+    def _one_op(self, x: Tensor) -> Tensor:
+        """The CPU block after the router's GEMV (kept as torch's own fp32 F.linear, as transformers runs it)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = F.linear(flat.float(), self.gate.float())
+        shared = (self.shared[0].weight, self.shared[1].weight) if self.shared is not None else (None, None)
+        s = self.stacked
+        out = self.kernel(
+            flat, logits, self.bias, s["w13"], s["w2"], *shared, self.top_k, self.renormalize, self.scale, self.biased
+        )
+        return self.comm.all_reduce(out).view(shape)
 
     def prefill(self, x: Tensor) -> Tensor:
         return self._forward(x, self._chunk)

@@ -55,7 +55,7 @@ def generate(
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
-    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack)
+    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack, s.model.quant)
     step = DecodeStep(model, cache, modes, kind)
     runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank, SnapshotStore(cache) if reuse else None)
     channel = Channel(rt, s.dist.check_tokens)
@@ -63,7 +63,7 @@ def generate(
     held = start_peak_window(rt.device)
     after_load("warm-up", rt, step.warm_up)
     facts = {"warmup_seconds": step.warmup_seconds, "kernels": model.kernels.name, "decode_compile": step.kind}
-    facts["packed_weights"] = pack
+    facts |= {"packed_weights": pack, "quant": s.model.quant}
     pids = [r["pid"] for r in dist.exchange({"pid": os.getpid()}, rt)] if s.run.mode == "serve" else None
     if not rt.is_main:
         if s.run.mode == "serve":  # a signal here waits for rank 0's drain, which ends this rank too

@@ -9,14 +9,13 @@ decode) is published to the peers, which may be waiting inside a collective (`af
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ..base import dist, signals
+from ..base import dist, signals, threads
 from ..base.errors import K3Error
 from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
@@ -37,6 +36,7 @@ from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
 from ..weights.memory import detect_free, peak_bytes, return_freed_memory
+from ..weights.quant_plan import int8_terms
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
 from .generation import generate
@@ -73,7 +73,7 @@ def run_rank(job: dict) -> dict | None:
     setup_logging(rt.rank)
     staged("outputs", rt, lambda: check_targets(s) if rt.is_main else None)  # not after a whole generation
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rt.local_world))
+        torch.set_num_threads(len(threads.pin_rank(rt.local_rank, rt.local_world)) or 1)
         return_freed_memory()
     result = plan_only(s, rt) if s.run.mode == "plan" else load_and_generate(s, rt)
     memory = dist.exchange(measured_memory(rt.device, result.pop("runtime_measured", None)), rt)
@@ -203,8 +203,9 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         s.fault,
         runtime.total,
         s.memory.drop_page_cache,
-        derived_of(cfg, rt, dtype, pack, dense),
+        derived_of(cfg, rt, dtype, pack, dense, s.model.quant),
         pool,
+        int8_terms(cfg, rt.world, rt.rank, dtype)[0] if s.model.quant == "int8" else 0,
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
@@ -219,14 +220,18 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     return result | generate(s, rt, cfg, store.tensors, dtype, modes, kind, pack, **front)
 
 
-def derived_of(cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool) -> int:
+def derived_of(
+    cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool, quant: str = "none"
+) -> int:
     """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
-    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once."""
+    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
+    int8 (weights/quant_plan.py) makes one int8 copy at a time instead, and the LM head is then not packed."""
+    int8 = int8_terms(cfg, rt.world, rt.rank, dtype)[1] if quant == "int8" else 0
     if not pack:
-        return 0
-    head = -(-cfg.vocab_size // rt.world) * cfg.hidden_size
+        return int8
+    head = 0 if quant == "int8" else -(-cfg.vocab_size // rt.world) * cfg.hidden_size
     experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // rt.world) if dense else 0
-    return max(head, experts) * dtype.itemsize
+    return max(max(head, experts) * dtype.itemsize, int8)
 
 
 def write_result(result: dict, out: str | None) -> None:

@@ -57,6 +57,7 @@ def preflight(
     faults: Faults,
     derived: int = 0,
     prefix: int = 0,
+    saved: int = 0,
 ) -> tuple[list[ShardPlan], MemoryPlan, list[dict]]:
     """Plan this rank, check it fits, and agree with every rank on the verdict and the checkpoint headers.
 
@@ -68,7 +69,7 @@ def preflight(
         free = faults.free
     if free is None:
         free = measured
-    mp = memory_plan(rt.rank, plans, cache, reserve, free, runtime, derived, prefix)
+    mp = memory_plan(rt.rank, plans, cache, reserve, free, runtime, derived, prefix, saved)
     log.info("k3_weight_plan " + " ".join(f"{k}={v}" for k, v in mp.as_dict().items()))
     statuses = agree(
         "preflight",
@@ -343,12 +344,14 @@ def load_weights(
     drop_page_cache: str = "auto",
     derived: int = 0,
     prefix: int = 0,
+    saved: int = 0,
 ) -> WeightStore:
     """The whole pipeline after the inventory: preflight + agreement, upload with an agreement per file,
     post-upload agreement. `reserve` is resolved (the device default when the setting is null)."""
     faults = faults or Faults()
     start = time.perf_counter()
-    plans, memory, statuses = preflight(inv, rt, compute_dtype, cache, runtime, reserve, free, faults, derived, prefix)
+    args = (cache, runtime, reserve, free, faults, derived, prefix, saved)
+    plans, memory, statuses = preflight(inv, rt, compute_dtype, *args)
     mine = statuses[rt.rank]
     pages = PageCache(drop_page_cache, rt, mine["node"], sum(s["node"] == mine["node"] for s in statuses))
     all_memory = [s["plan"] for s in statuses]

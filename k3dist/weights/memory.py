@@ -21,13 +21,19 @@ class MemoryPlan:
     local_bytes: int  # weight bytes it keeps on its device
     replicated_bytes: int  # part of local_bytes every rank holds
     staging_peak: int  # what the staging ring holds at once: a few chunks of at most 64 MiB (reads.py)
-    derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights)
+    derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights, int8 copies)
     cache_bytes: int  # KDA state + MLA latent for batch x cap
     runtime_bytes: int  # activations of one prefill chunk, logits and sampling buffers, workspaces (runtime.py)
     prefix_bytes: int  # the pool of prefix snapshots (prefix.bytes; on a CPU also prefix.host_bytes)
     reserve: int  # explicit headroom
     free: int  # memory available to this rank
     tensors: int
+    saved_bytes: int = 0  # what binding gives back (model.quant=int8: weights/quant_plan.py)
+
+    @property
+    def bound_bytes(self) -> int:
+        """Weight bytes held after binding (the load's peak is local_bytes + derived_bytes)."""
+        return self.local_bytes - self.saved_bytes
 
     @property
     def admitted(self) -> int:
@@ -46,7 +52,7 @@ class MemoryPlan:
         return self.admitted <= self.free
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"admitted": self.admitted, "fits": self.fits}
+        return asdict(self) | {"bound_bytes": self.bound_bytes, "admitted": self.admitted, "fits": self.fits}
 
     def refusal(self) -> str:
         return (
@@ -67,6 +73,7 @@ def memory_plan(
     runtime: int = 0,
     derived: int = 0,
     prefix: int = 0,
+    saved: int = 0,
 ) -> MemoryPlan:
     chunks = schedule(plans)
     slots, slot_bytes = staging(chunks)
@@ -84,6 +91,7 @@ def memory_plan(
         reserve=reserve,
         free=free,
         tensors=len(plans),
+        saved_bytes=saved,
     )
 
 

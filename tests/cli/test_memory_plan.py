@@ -61,3 +61,24 @@ def test_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world, batch,
         assert used["peak_bytes"] - bare_rss <= plan["admitted"], report
         runtime, measured = plan["runtime_bytes"], used["runtime_peak_bytes"]
         assert measured / 2 <= runtime <= 2 * measured, report
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_int8_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world):
+    """model.quant=int8 binds one int8 copy at a time (derived_bytes) and then holds bound_bytes < local_bytes."""
+    rc, text, result = run_cli(
+        tmp_path,
+        f"model.path={model_dir}",
+        "model.dtype=bfloat16",
+        "model.quant=int8",
+        "generate.prompt=null",
+        "generate.max_new_tokens=4",
+        f"dist.nproc={world}",
+        timeout=400,
+    )
+    assert rc == 0, text
+    assert result["quant"] == "int8"
+    for plan, used in zip(result["plan"], result["memory"], strict=True):
+        report = json.dumps({"plan": plan, "used": used, "bare": bare_rss})
+        assert used["peak_bytes"] - bare_rss <= plan["admitted"], report
+        assert 0 < plan["bound_bytes"] < plan["local_bytes"] and plan["derived_bytes"] > 0, report

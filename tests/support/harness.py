@@ -23,7 +23,7 @@ def bind(
     batch: int,
     cap: int,
     router: str = "unbiased",
-    backend: str = "torch",
+    backend: str = "auto",
     pack: bool = False,
 ):
     """Init the rank, load its shard of the checkpoint, bind the model to an empty cache. With `pack`, weights are

@@ -7,11 +7,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = [
     "base",
+    "kernels",
     "config",
     "settings",
     "text",
     "weights",
-    "kernels",
     "model",
     "engine",
     "offline",

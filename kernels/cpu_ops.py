@@ -1,0 +1,93 @@
+"""The CPU decode kernels (kernels/csrc/*.cpp): C++ ops registered as `torch.ops.k3dist.*`, built on first use.
+
+Why: at batch 1 the eager CPU step is bound by its op count, not its bytes. The torch reference runs each KDA layer's
+recurrent core as about 100 small ops and each MoE layer as about 40, each a dispatch and an OpenMP region; here each
+is one op that reads every byte once (docs/decode.md has the profile). The ops are compiled once per machine and
+torch build with torch's own extension builder (a compiler and ninja; 20-40 s on 2 cores), into
+`$TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions) under a name that hashes the sources, the flags, torch's
+version and the CPU's flags; concurrent ranks wait on torch's lock for one build. Where the build fails, `available()`
+says why once and the model keeps the torch references (`kernels.backend=cpu` refuses instead).
+"""
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("k3dist")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("kda_decode.cpp", "moe_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def _name() -> str:
+    h = hashlib.sha256(" ".join(FLAGS + [torch.__version__, _cpu_flags()]).encode())
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    return "k3dist_cpu_" + h.hexdigest()[:16]
+
+
+@functools.cache
+def build_error() -> str | None:
+    """Build (or find) and load the ops; None when they loaded, else why not (said once in the log)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=_name(),
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the references still run
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        log.warning("k3dist: CPU decode kernels unavailable, using the torch references (%s)", why)
+        return why
+    _register_fakes()
+    return None
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile (decode.compile=on traces through the ops without running them)."""
+    for name, fake in (("kda_decode", _kda_fake), ("moe_decode", _moe_fake)):
+        try:
+            torch.library.register_fake(f"k3dist::{name}")(fake)
+        except RuntimeError:  # already registered in this process
+            pass
+
+
+def _kda_fake(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[2])
+
+
+def _moe_fake(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def available() -> bool:
+    return build_error() is None
+
+
+def kda_decode(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+    """kernels/kda_fused.py's kda_decode_fused, as one op (same signature, same roundings)."""
+    args = (qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state)
+    return torch.ops.k3dist.kda_decode(*args)
+
+
+def moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k: int, renormalize: bool, scale: float, biased: bool):
+    """A decode MoE block from the router logits [N, E] fp32 on: routing (one group), the chosen experts from the
+    stacked w13 [E, 2I, D] / w2 [E, D, I], plus the shared expert (gate_up [2Is, D], down [D, Is], or None).
+    Returns [N, D] fp32, as MoE._forward's experts + shared sum before the all-reduce."""
+    return torch.ops.k3dist.moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased)

@@ -1,0 +1,97 @@
+"""The C++ CPU decode ops (kernels/cpu_ops.py) against the torch references they replace, on odd shapes too."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from k3dist.kernels import cpu_ops, kda_fused
+from k3dist.kernels.backend import select
+from k3dist.kernels.moe import experts_gathered
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=f"CPU ops do not build: {cpu_ops.build_error()}")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _kda_inputs(B, H, d, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = H * d
+    rand = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    proj = rand(B, 3 * P + 2 * d + H + 3).to(dtype)  # a fused projection's row: strided views, as the model passes
+    return dict(
+        qkv=proj[:, : 3 * P].unflatten(-1, (3, -1)),
+        conv_state=rand(B, K - 1, 3, P).to(dtype),
+        conv_w=rand(3, P, K, scale=0.5).to(dtype),
+        g_raw=rand(B, P).to(dtype),
+        beta_raw=proj[:, 3 * P + 2 * d : 3 * P + 2 * d + H],
+        gate=rand(B, P).to(dtype),
+        A_log=torch.rand(H, generator=g).mul(4).add(0.5).log(),
+        dt_bias=rand(P, scale=0.1),
+        o_norm=(torch.rand(d, generator=g) + 0.5).to(dtype),
+        eps=1e-5,
+        state=rand(B, H, d, d, scale=0.1),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, H, d, K", [(1, 8, 128, 4), (3, 4, 16, 3), (2, 3, 20, 1), (8, 2, 33, 2)])
+def test_kda_decode_equals_the_reference(B, H, d, K, dtype):
+    ref_in, got_in = _kda_inputs(B, H, d, K, dtype), _kda_inputs(B, H, d, K, dtype)
+    for _ in range(3):  # three steps: the states the op writes are the ones it reads next
+        ref = kda_fused.kda_decode_fused(**ref_in)
+        got = cpu_ops.kda_decode(**got_in)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: at most a last-bit difference in a few outputs
+        assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+        assert torch.equal(got_in["conv_state"], ref_in["conv_state"])
+        assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-5 * ref_in["state"].abs().max().item()
+
+
+def _moe_reference(x, logits, bias, w13, w2, s13, s2, k, renorm, scale, biased):
+    scores = logits.sigmoid()
+    choice = scores + bias
+    ids = choice.topk(k, dim=-1, sorted=False).indices
+    weights = (choice if biased else scores).gather(1, ids)
+    if renorm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    flat = x.to(w13.dtype)
+    out = experts_gathered(flat, ids, weights * scale, w13, w2)
+    if s13 is not None:
+        gate, up = F.linear(flat, s13).chunk(2, dim=-1)
+        out = out + F.linear(F.silu(gate) * up, s2).float()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "N, D, E, I, k, Is, renorm, biased",
+    [
+        (1, 1024, 16, 64, 2, 64, True, False),  # the twin
+        (3, 64, 8, 32, 2, 32, True, True),
+        (2, 96, 12, 24, 3, 48, False, False),
+        (1, 72, 8, 20, 1, 0, True, False),  # no shared expert, odd sizes
+    ],
+)
+def test_moe_decode_equals_the_reference(N, D, E, I, k, Is, renorm, biased, dtype):
+    g = torch.Generator().manual_seed(N + D)
+    rand = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, gate, bias = rand(N, D), rand(E, D) * 0.05, rand(E) * 0.1
+    w13, w2 = (rand(E, 2 * I, D) * 0.05).to(dtype), (rand(E, D, I) * 0.05).to(dtype)
+    s13, s2 = ((rand(2 * Is, D) * 0.05).to(dtype), (rand(D, Is) * 0.05).to(dtype)) if Is else (None, None)
+    logits = F.linear(x, gate)
+    args = (x, logits, bias, w13, w2, s13, s2, k, renorm, 2.446, biased)
+    ref, got = _moe_reference(*args), cpu_ops.moe_decode(*args)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_kda_decode_traces_under_torch_compile():
+    """decode.compile=on traces through the op (its fake) and keeps its in-place state writes."""
+    ref_in, got_in = _kda_inputs(2, 4, 16, 4, torch.float32), _kda_inputs(2, 4, 16, 4, torch.float32)
+    ref = cpu_ops.kda_decode(**ref_in) * 2
+    got = torch.compile(lambda kw: cpu_ops.kda_decode(**kw) * 2, fullgraph=True)(got_in)
+    assert torch.equal(ref, got) and torch.equal(ref_in["state"], got_in["state"])
+
+
+def test_auto_picks_the_cpu_ops_on_a_cpu():
+    assert select("auto", torch.device("cpu")).name == "cpu"
+    assert select("torch", torch.device("cpu")).name == "torch"
