@@ -25,11 +25,10 @@ def model_dir(request, tmp_path_factory):
     return str(write_checkpoint(CONFIGS[request.param], path, seed=21, dtype="float32", tokenizer=False))
 
 
-def both(model_dir, turns, world, batch=2):
+def both(model_dir, turns, world, batch=2, pool=(2**30, 0)):
     """The same turns with and without reuse: (with, without), rank 0's."""
-    reused = expect_ok(run_ranks(prefix_turns, world, model_dir, turns, batch, True))[0]
-    plain = expect_ok(run_ranks(prefix_turns, world, model_dir, turns, batch, False))[0]
-    return reused, plain
+    args = (model_dir, turns, batch, 8, 16, "float32", 256, pool)
+    return expect_ok(run_ranks(prefix_turns, world, *args))[0]
 
 
 def close(a, b, rtol=1e-5):
@@ -88,9 +87,7 @@ def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(model_dir)
     size = snapshot_bytes(cache_shapes(cfg, 2, 1, 1, cfg_dtype()), 40, -(-cfg.vocab_size // 2), 4)
     docs = [[(t * 13 + k * 7) % 480 + 5 for t in range(40)] for k in range(4)]
     turns = [[{"ids": d}] for d in docs] + [[{"ids": docs[3]}], [{"ids": docs[0]}]]
-    args = (model_dir, turns, 1, True, 8, 16, "float32", 256, (2 * size + 100, size + 100))
-    reused = expect_ok(run_ranks(prefix_turns, 2, *args))[0]
-    plain = expect_ok(run_ranks(prefix_turns, 2, model_dir, turns, 1, False))[0]
+    reused, plain = both(model_dir, turns, 2, batch=1, pool=(2 * size + 100, size + 100))
     assert [r["completions"] for r in reused] == [p["completions"] for p in plain]
     stats = reused[-1]["prefix"]
     assert stats["evictions"] > 0 and stats["demotions"] > 0 and stats["device_bytes"] <= 2 * size + 100

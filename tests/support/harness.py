@@ -148,37 +148,46 @@ def prefix_turns(
     model_dir: str,
     turns: list[list[dict]],
     batch: int,
-    reuse: bool,
     prefill_chunk: int = 8,
     every: int = 16,
     dtype: str = "float32",
     cap: int = 256,
     pool: tuple[int, int] = (2**30, 0),
-) -> list[dict] | None:
-    """Turns of requests through the real engine, with prefix snapshots (`reuse`: a pool of (device, host) bytes)
-    or without; each turn runs to its
-    end before the next is added. A request {"after": i, "then": [ids]} continues request i of the previous turn:
-    its prompt, its completion, then `then` (a chat's next turn). Rank 0 returns per turn its completions and the
-    prefix statistics so far; other ranks follow and return None."""
+) -> tuple[list[dict], list[dict]] | None:
+    """Turns of requests through the real engine twice, on the same ranks and weights: with prefix snapshots (a
+    pool of (device, host) bytes), then without, from an emptied cache. Each turn runs to its end before the next
+    is added; a request {"after": i, "then": [ids]} continues request i of the previous turn: its prompt, its
+    completion, then `then` (a chat's next turn). Rank 0 returns (with reuse, without): per turn the completions and
+    the prefix statistics so far; other ranks follow and return None."""
     from k3dist.engine.engine import follow
     from k3dist.engine.prefix import PrefixIndex
-    from k3dist.engine.requests import Prompt
     from k3dist.engine.runner import Runner
     from k3dist.engine.snapshots import SnapshotStore, snapshot_bytes
     from k3dist.model.cache import cache_shapes
 
     rt, cfg, model, cache = bind(model_dir, dtype, batch, cap)
     step = DecodeStep(model, cache, (SamplingMode(True, True),))
-    engine = local_engine(step, prefill_chunk, 4, (), rt, check_tokens=True)
-    if reuse:
-        engine.runner = Runner(step, prefill_chunk, snapshots=SnapshotStore(cache))
-        shapes, vocab = cache_shapes(cfg, rt.world, 1, 1, model.dtype), -(-cfg.vocab_size // rt.world)
-        size = lambda n: snapshot_bytes(shapes, n, vocab, model.dtype.itemsize)  # noqa: E731
-        engine.prefix = PrefixIndex(*pool, every, size)
-    if rt.rank != 0:
-        follow(engine.runner, engine.channel)
-        dist.shutdown()
-        return None
+    shapes, vocab = cache_shapes(cfg, rt.world, 1, 1, model.dtype), -(-cfg.vocab_size // rt.world)
+    size = lambda n: snapshot_bytes(shapes, n, vocab, model.dtype.itemsize)  # noqa: E731
+    runs = []
+    for reuse in (True, False):
+        step.reset()
+        engine = local_engine(step, prefill_chunk, 4, (), rt, check_tokens=True)
+        if reuse:
+            engine.runner = Runner(step, prefill_chunk, snapshots=SnapshotStore(cache))
+            engine.prefix = PrefixIndex(*pool, every, size)
+        if rt.rank == 0:
+            runs.append(_turns(engine, turns))
+            engine.shutdown()
+        else:
+            follow(engine.runner, engine.channel)
+    dist.shutdown()
+    return tuple(runs) if rt.rank == 0 else None
+
+
+def _turns(engine, turns: list[list[dict]]) -> list[dict]:
+    from k3dist.engine.requests import Prompt
+
     out, previous = [], []
     for t, turn in enumerate(turns):
         prompts = []
@@ -196,8 +205,6 @@ def prefix_turns(
                 if event.finished:
                     done[event.id] = event.completion
         previous = [(p, done[p.id]) for p in prompts]
-        stats = engine.prefix.report() if reuse else None
+        stats = engine.prefix.report() if engine.prefix else None
         out.append({"completions": [{"tokens": c.tokens, "top": c.top_logits} for _, c in previous], "prefix": stats})
-    engine.shutdown()
-    dist.shutdown()
     return out
