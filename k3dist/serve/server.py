@@ -58,6 +58,7 @@ def serve(s, rt: dist.Runtime, engine, text, cfg, sock: socket.socket, model_dir
         time.sleep(0.01)
     signals.defer(loop.drain)
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     print(
         f"k3dist: serving {name!r} at http://{host}:{port}/v1 (world {rt.world}, {s.generate.batch} slots of "
         f"{s.cache.cap} tokens; rank pids {' '.join(map(str, pids))})",
