@@ -25,6 +25,7 @@ from .responses import Shape, usage
 
 log = logging.getLogger("k3dist")
 LOOK_S = 0.5  # how often a whole (not streamed) response looks whether its client is still there
+UNKNOWN_LOGGED = 64  # unknown field names logged (once each) at most: bodies of made-up keys flood no log or memory
 
 
 class Front:
@@ -157,9 +158,10 @@ def _encode(front: Front, req) -> list[int]:
 async def _generate(front: Front, request: Request, kind):
     arrived = time.monotonic()
     req = parse_body(await _body(request, front.max_body), kind)
-    for name in set(req.model_extra or ()) - front.unknown_logged:
+    room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
+    for name in sorted(set(req.model_extra or ()) - front.unknown_logged)[:room]:
         front.unknown_logged.add(name)
-        log.warning("k3_serve_unknown_field name=%s (ignored)", name)
+        log.warning("k3_serve_unknown_field name=%s (ignored)", name[:80])
     if req.model is not None and req.model != front.model_name:
         raise bad(
             f"model {req.model!r} is not served here (this server serves {front.model_name!r})",
