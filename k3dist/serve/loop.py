@@ -114,7 +114,9 @@ class EngineLoop:
                 if self.state == "draining" and (not self.engine.busy or time.monotonic() > self._drain_at):
                     break
                 if self.engine.busy:
-                    self._dispatch(self.engine.step())
+                    events = self.engine.step()
+                    self._gauges()  # before any answer leaves: whoever has the answer sees it in /metrics too
+                    self._dispatch(events)
                 elif not self._wake.wait(self.engine.channel.heartbeat_s):
                     self.engine.heartbeat()
                 self._wake.clear()
