@@ -286,6 +286,35 @@ def published_failure(wait_s: float = 5.0) -> str | None:
         return None
 
 
+DRAIN = "k3dist/drain"
+
+
+def ask_drain(signum: int) -> None:
+    """A server's follower signalled alone: ask rank 0 to drain as if it had the signal (the first ask wins)."""
+    try:
+        _store().compare_set(DRAIN, "", str(signum))
+    except Exception:  # noqa: BLE001 - the store's host is gone: the job is ending anyway
+        pass
+
+
+def on_drain_asked(callback, interval_s: float = 0.5) -> None:
+    """Rank 0 of a server: a daemon thread calls `callback(signum)` once a follower asks for a drain (ask_drain), so a
+    signal that reached one follower only drains the whole server instead of ending it under its requests."""
+
+    def watch():
+        store = _store()
+        while True:
+            try:
+                if store.check([DRAIN]):
+                    callback(int(store.get(DRAIN)))
+                    return
+            except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="k3dist-drain", daemon=True).start()
+
+
 def abort_on_peer_failure(rt: Runtime, interval_s: float = 0.5) -> None:
     """NCCL only: a daemon thread that aborts this rank's communicators as soon as a peer publishes a failure, so a
     collective waiting on that peer returns with an error instead of waiting for the watchdog."""

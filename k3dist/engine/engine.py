@@ -108,8 +108,9 @@ class Engine:
         admitted = self._extensions(moves, pinned)
         while self.free and self.waiting and len(admitted) < self.admit_per_window:
             p = self.waiting.popleft()
-            if p.max_new_tokens == 0:
-                events.append(Event(p.id, finish_reason="length", completion=Completion(p.id, list(p.ids))))
+            if p.max_new_tokens == 0:  # no slot, no token: its text is empty (not None) where there is a tokenizer
+                empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
+                events.append(Event(p.id, finish_reason="length", completion=empty))
                 continue
             slot = self.free.pop(0)
             assembler = self.make_assembler(p) if self.make_assembler else None

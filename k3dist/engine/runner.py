@@ -13,6 +13,7 @@ import torch
 
 from ..base.faults import Faults
 from .control import Admit, Window
+from .sampling import slot_seed
 from .snapshots import SnapshotStore
 from .step import DecodeStep
 
@@ -120,16 +121,18 @@ class Runner:
             self.step.emit(logits, rows, window.mode)
 
     def _reset(self, items: list[Admit]) -> None:
-        """Empty the slots and load their requests' sampling settings (host-to-device writes, outside any step)."""
-        s = self.step
+        """Empty the slots and load their requests' sampling settings (host-to-device writes, outside any step).
+
+        Any integer fits: a top_k past the vocabulary cuts nothing and is the vocabulary, a seed is its low 64 bits."""
+        s, vocab = self.step, self.model.cfg.vocab_size
         for a in items:
             self.cache.reset_slot(a.slot)
             s.gen[a.slot] = 0
             s.temperature[a.slot], s.top_p[a.slot], s.top_k[a.slot], s.seed[a.slot] = (
                 a.temperature,
                 a.top_p,
-                a.top_k,
-                a.seed,
+                min(a.top_k, vocab),
+                slot_seed(a.seed),
             )
 
     def decode(self, window: Window) -> None:

@@ -28,6 +28,12 @@ def _mix(z: Tensor) -> Tensor:
     return z ^ _shr(z, 31)
 
 
+def slot_seed(seed: int) -> int:
+    """Any integer seed as the int64 a slot holds: its low 64 bits, signed, so 0..2**64-1 each keep their own draws
+    (2**64-1 draws as -1) and no seed a front lets through overflows the device tensor."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     """[B] seeds and [B] token counters -> [B, vocab] standard Gumbel noise, a pure function of its inputs."""
     key = _mix(seed * _GOLDEN + counter)

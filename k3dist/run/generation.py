@@ -5,6 +5,7 @@ window records until the shutdown one."""
 import os
 import sys
 import threading
+from functools import partial
 
 from ..base import dist, signals
 from ..base.failures import after_load
@@ -47,6 +48,13 @@ def prefix_index(s: Settings, cfg: ModelConfig, world: int, dtype) -> PrefixInde
     return PrefixIndex(s.prefix.bytes, host, every, lambda n: snapshot_bytes(shapes, n, vocab, dtype.itemsize))
 
 
+def _drain_from_follower(limit_s: float, signum: int) -> None:
+    """A follower's signal: rank 0 drains the server as if it had the signal too (it may not have); if its stop
+    never comes, this rank ends itself `limit_s` later."""
+    dist.ask_drain(signum)
+    threading.Timer(limit_s, signals.end, (signum,)).start()
+
+
 def generate(
     s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pack, text, prompts, listener, model_dir, reuse
 ):
@@ -66,9 +74,8 @@ def generate(
     facts |= {"packed_weights": pack, "quant": s.model.quant}
     pids = [r["pid"] for r in dist.exchange({"pid": os.getpid()}, rt)] if s.run.mode == "serve" else None
     if not rt.is_main:
-        if s.run.mode == "serve":  # a signal here waits for rank 0's drain, which ends this rank too
-            limit = s.serve.drain_s + 10
-            signals.defer(lambda signum: threading.Timer(limit, signals.end, (signum,)).start())
+        if s.run.mode == "serve":  # a signal here has rank 0 drain the server, which ends this rank too
+            signals.defer(partial(_drain_from_follower, s.serve.drain_s + 10))
         code = after_load(lambda: runner.stage, rt, lambda: follow(runner, channel))
         if code:  # the server ended for a signal: rank 0 printed the line and exits with the same code
             sys.stdout.flush()

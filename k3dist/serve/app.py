@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from ..base.errors import K3Error
@@ -23,6 +24,8 @@ from .protocol import ChatRequest, CompletionRequest, budget, choices, completio
 from .responses import Shape, usage
 
 log = logging.getLogger("k3dist")
+LOOK_S = 0.5  # how often a whole (not streamed) response looks whether its client is still there
+UNKNOWN_LOGGED = 64  # unknown field names logged (once each) at most: bodies of made-up keys flood no log or memory
 
 
 class Front:
@@ -61,9 +64,27 @@ class _Responding:
                 self.loop.responding(-1)
 
 
+class _Auth:
+    """ASGI middleware: with a key, every /v1 route wants `Authorization: Bearer <key>` (401 otherwise). Plain ASGI,
+    not `@app.middleware`: Starlette's BaseHTTPMiddleware wraps `receive` so that Request.is_disconnected() never
+    sees a client leave, and a whole response would then hold its slots to the end for nobody."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode("latin-1")  # the header's own bytes
+            if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
+                wanted = "a valid API key is needed: Authorization: Bearer <key>"
+                return await APIError(401, wanted, code="invalid_api_key").response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(front: Front) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Responding, loop=front.loop)
+    app.add_middleware(_Auth, key=front.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -77,16 +98,6 @@ def build_app(front: Front) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc):
         return bad(str(exc)[:300]).response()
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if front.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
-                return APIError(
-                    401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key"
-                ).response()
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -147,9 +158,10 @@ def _encode(front: Front, req) -> list[int]:
 async def _generate(front: Front, request: Request, kind):
     arrived = time.monotonic()
     req = parse_body(await _body(request, front.max_body), kind)
-    for name in set(req.model_extra or ()) - front.unknown_logged:
+    room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
+    for name in sorted(set(req.model_extra or ()) - front.unknown_logged)[:room]:
         front.unknown_logged.add(name)
-        log.warning("k3_serve_unknown_field name=%s (ignored)", name)
+        log.warning("k3_serve_unknown_field name=%s (ignored)", name[:80])
     if req.model is not None and req.model != front.model_name:
         raise bad(
             f"model {req.model!r} is not served here (this server serves {front.model_name!r})",
@@ -210,15 +222,21 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
 
 
 async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int):
+    """The whole response once every choice has ended. The connection is looked at every LOOK_S whether events
+    flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end."""
     results = [{"text": "", "tokens": [], "logprobs": [], "finish": None} for _ in index]
-    pending = dict(index)
+    pending, look = dict(index), time.monotonic() + LOOK_S
     try:
         while pending:
             try:
-                ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                ev = await asyncio.wait_for(events.get(), timeout=max(0.0, look - time.monotonic()))
             except TimeoutError:
+                ev = None
+            if time.monotonic() >= look:
                 if await request.is_disconnected():
                     return Response(status_code=499)
+                look = time.monotonic() + LOOK_S
+            if ev is None:
                 continue
             if isinstance(ev, Failure):
                 raise APIError(ev.status, ev.message, code="engine_failed" if ev.status == 500 else "unavailable")

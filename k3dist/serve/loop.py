@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..engine.engine import Engine
 from ..engine.requests import Event, Prompt
+from .errors import bad
 from .metrics import Metrics
 from .protocol import raise_unavailable
 
@@ -57,7 +58,15 @@ class EngineLoop:
     # ------------------------------------------------------------------ any thread
 
     def submit(self, prompts: list[Prompt], sink: Callable, arrived: float) -> None:
-        """Queue a request's choices; refused with a 503 when draining, dead or the waiting queue is full."""
+        """Queue a request's choices; refused with a 503 when draining, dead or the waiting queue is full, and with a
+        400 when it has more choices than the slots and the queue together hold (no retry would ever get it in)."""
+        room = self.max_waiting + self.engine.cache.batch
+        if len(prompts) > room:
+            raise bad(
+                f"n={len(prompts)} choices can never be queued: the slots and the queue hold {room} "
+                f"(generate.batch={self.engine.cache.batch} + serve.max_waiting={self.max_waiting})",
+                "n",
+            )
         with self._lock:
             if self.state != "serving":
                 raise_unavailable("the server is shutting down" if self.state != "dead" else f"{self.failure}")
@@ -105,7 +114,9 @@ class EngineLoop:
                 if self.state == "draining" and (not self.engine.busy or time.monotonic() > self._drain_at):
                     break
                 if self.engine.busy:
-                    self._dispatch(self.engine.step())
+                    events = self.engine.step()
+                    self._gauges()  # before any answer leaves: whoever has the answer sees it in /metrics too
+                    self._dispatch(events)
                 elif not self._wake.wait(self.engine.channel.heartbeat_s):
                     self.engine.heartbeat()
                 self._wake.clear()

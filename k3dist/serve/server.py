@@ -57,7 +57,10 @@ def serve(s, rt: dist.Runtime, engine, text, cfg, sock: socket.socket, model_dir
             raise K3Error(f"rank 0: the HTTP server did not start on {s.serve.host}:{s.serve.port}")
         time.sleep(0.01)
     signals.defer(loop.drain)
+    if rt.world > 1:  # a follower signalled alone asks for the drain through the rendezvous store
+        dist.on_drain_asked(loop.drain)
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     print(
         f"k3dist: serving {name!r} at http://{host}:{port}/v1 (world {rt.world}, {s.generate.batch} slots of "
         f"{s.cache.cap} tokens; rank pids {' '.join(map(str, pids))})",

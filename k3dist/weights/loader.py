@@ -71,9 +71,10 @@ def preflight(
         free = measured
     mp = memory_plan(rt.rank, plans, cache, reserve, free, runtime, derived, prefix, saved)
     log.info("k3_weight_plan " + " ".join(f"{k}={v}" for k, v in mp.as_dict().items()))
+    lower = "memory.reserve, cache.cap or prefix.bytes" if prefix else "memory.reserve or cache.cap"
     statuses = agree(
         "preflight",
-        None if mp.fits else mp.refusal() + "; lower memory.reserve or cache.cap, or add ranks",
+        None if mp.fits else f"{mp.refusal()}; lower {lower}, or add ranks",
         rt,
         plan=mp.as_dict(),
         fingerprint=inv.fingerprint,

@@ -207,4 +207,5 @@ def test_a_prefix_pool_that_does_not_fit_is_refused_up_front(k3_cache, tmp_path)
     rc, text, _ = run_cli(tmp_path, "prefix.enabled=on", "prefix.bytes=1TiB", "generate.max_new_tokens=2")
     lines = error_lines(text)
     assert rc != 0 and len(lines) == 1 and "preflight failed" in lines[0] and "prefix 1.0 TiB" in lines[0], text
+    assert "lower memory.reserve, cache.cap or prefix.bytes" in lines[0], text  # the advice names the pool too
     assert "k3_weight_shard_loaded" not in text

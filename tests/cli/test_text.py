@@ -93,11 +93,13 @@ def test_stops_end_exactly_where_they_should(batched, model_dir, tmp_path):
     rows = [
         {"prompt": TEXTS[index], "max_new_tokens": len(long["tokens"]), "stop": [stop, "\u2603never"]},
         {"prompt": TEXTS[index], "max_new_tokens": 2},
+        {"prompt": TEXTS[index], "max_new_tokens": 0},
     ]
     reqs = write_requests(tmp_path / "req.jsonl", rows)
     rc, text, _ = run_cli(tmp_path, f"model.path={model_dir}", "model.dtype=float32", f"generate.prompts={reqs}")
     assert rc == 0, text
-    cut, short = outputs(tmp_path)
+    cut, short, none = outputs(tmp_path)
+    assert none["text"] == "" and none["tokens"] == [] and none["finish_reason"] == "length"  # a string, as any text
     assert cut["finish_reason"] == "stop" and cut["text"] == long["text"][: long["text"].index(stop)]
     assert cut["tokens"] == long["tokens"][: len(cut["tokens"])] and len(cut["tokens"]) < len(long["tokens"])
     from k3dist.text.tokenizer import load_tokenizer

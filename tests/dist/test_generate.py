@@ -66,3 +66,13 @@ def test_each_sequence_stops_exactly_at_eos(model_dir, sync_every):
         assert cut["tokens"] == full[:end]
         assert cut["finish_reason"] == ("stop" if eos in full else "length")
     assert len(stopped[1]["tokens"]) == 4
+
+
+def test_any_integer_seed_and_top_k_fit_a_slot(model_dir):
+    """The slots hold int64: a seed takes its low 64 bits (2**64-1 draws as -1, 2**63 as -2**63) and a top_k past the
+    vocabulary cuts nothing, so no front's setting can overflow them in the middle of a run."""
+    base = dict(ids=PROMPTS[0], max_new_tokens=6, temperature=1.0)
+    reqs = [base | {"seed": 2**64 - 1}, base | {"seed": -1}, base | {"seed": 2**63, "top_k": 2**64}]
+    reqs.append(base | {"seed": -(2**63)})
+    out = tokens(expect_ok(run_ranks(generate, 1, model_dir, reqs, 4))[0])
+    assert out[0] == out[1] and out[2] == out[3] and out[0] != out[2]

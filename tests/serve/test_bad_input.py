@@ -97,3 +97,13 @@ def test_a_full_waiting_queue_gets_503_with_retry_after(guarded):
     assert len(served) >= SLOTS and len(refused) >= 1 and len(served) + len(refused) == SLOTS + 3
     assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == "unavailable" for r in refused)
     assert "waiting" in refused[0].json()["error"]["message"]
+
+
+def test_made_up_fields_are_ignored_and_logged_boundedly(guarded):
+    """Each unknown field is logged once, and at most 64 names ever: 3 bodies of 3,000 made-up keys each (under
+    serve.max_body) write no 9,000 log lines and keep no 9,000 names."""
+    for batch in range(3):
+        made_up = {f"f{batch}_{i}": 0 for i in range(3000)}
+        reply = _post(guarded, "/completions", {"prompt": "hi", "max_tokens": 1} | made_up)
+        assert reply.status_code == 200, reply.text
+    assert 0 < sum("k3_serve_unknown_field" in line for line in guarded.lines) <= 64

@@ -56,11 +56,16 @@ def _streaming(server, count: int, max_tokens: int) -> tuple[list, list[threadin
     return results, threads
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_sigterm_drains_in_flight_requests_then_exits_143(serve_dir, tmp_path, world):
+@pytest.mark.parametrize("world,who", [(1, "launcher"), (2, "launcher"), (2, "follower")])
+def test_sigterm_drains_in_flight_requests_then_exits_143(serve_dir, tmp_path, world, who):
+    """SIGTERM to the launcher, or to one follower alone (rank 0 then drains as if it had the signal too)."""
     server = _server(tmp_path, serve_dir, "serve.drain_s=60", f"dist.nproc={world}")
     results, threads = _streaming(server, 3, 150)
-    server.signal(signal.SIGTERM, group=False)
+    if who == "follower":
+        server.signalled_at = time.monotonic()
+        os.kill(server.pids[1], signal.SIGTERM)
+    else:
+        server.signal(signal.SIGTERM, group=False)
     _wait(lambda: httpx.get(f"{server.base}/health").status_code == 503, what="/health to turn 503")
     late = httpx.post(f"{server.url}/completions", json={"prompt": "late", "max_tokens": 2}, timeout=30)
     assert late.status_code == 503 and late.json()["error"]["code"] == "unavailable"

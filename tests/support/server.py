@@ -13,7 +13,7 @@ import openai
 
 from tests.support.procs import Watched
 
-READY = re.compile(r"k3dist: serving '([^']+)' at (http://[\d.]+:\d+/v1) .*rank pids ([\d ]+)\)")
+READY = re.compile(r"k3dist: serving '([^']+)' at (http://(?:[\d.]+|\[[\da-f:]+\]):\d+/v1) .*rank pids ([\d ]+)\)")
 
 
 class Server(Watched):
