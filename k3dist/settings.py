@@ -18,6 +18,9 @@ from .base.units import parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
 MODES = ("generate", "load", "plan", "serve")
+# decode steps between the host's looks: a server streams each token as it comes (benchmarks/serve.py: inter-token
+# latency p50 266 -> 33 ms at concurrency 1, 3% less throughput at 16); an offline run looks less often
+SYNC_SERVE, SYNC_BATCH = 1, 8
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class GenerateSettings:
 @dataclass(frozen=True)
 class DecodeSettings:
     compile: str
-    sync_every: int
+    sync_every: int  # null in the config: SYNC_SERVE for a server (every token streamed as it comes), else SYNC_BATCH
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,8 @@ def parse(job: dict) -> Settings:
         ),
         decode=DecodeSettings(
             compile=dec.choice("compile", ("auto", "on", "off")),
-            sync_every=dec.integer("sync_every", 1),
+            sync_every=dec.integer("sync_every", 1, optional=True)
+            or (SYNC_SERVE if run.values.get("mode") == "serve" else SYNC_BATCH),
         ),
         kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "cpu", "triton"))),
         run=RunSettings(mode=run.choice("mode", MODES)),

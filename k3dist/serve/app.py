@@ -74,8 +74,9 @@ class _Auth:
 
     async def __call__(self, scope, receive, send):
         if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1")  # the header's own bytes
-            if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            given = token.strip().encode("latin-1")  # the header's own bytes; the scheme's case is free (RFC 7235)
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.key.encode()):
                 wanted = "a valid API key is needed: Authorization: Bearer <key>"
                 return await APIError(401, wanted, code="invalid_api_key").response()(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -99,17 +100,17 @@ def build_app(front: Front) -> FastAPI:
     async def _validation(request, exc):
         return bad(str(exc)[:300]).response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if front.loop.healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": front.loop.state, "error": front.loop.failure}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return Response(front.loop.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         card = {
             "id": front.model_name,
@@ -157,7 +158,8 @@ def _encode(front: Front, req) -> list[int]:
 
 async def _generate(front: Front, request: Request, kind):
     arrived = time.monotonic()
-    req = parse_body(await _body(request, front.max_body), kind)
+    raw = await _body(request, front.max_body)
+    req = await run_in_threadpool(parse_body, raw, kind)  # megabytes of JSON are parsed off the event loop
     room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
     for name in sorted(set(req.model_extra or ()) - front.unknown_logged)[:room]:
         front.unknown_logged.add(name)
@@ -202,7 +204,7 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
         while pending:
             ev = await events.get()
             if isinstance(ev, Failure):
-                yield _sse(APIError(ev.status, ev.message).body)
+                yield _sse(ev.error().body)
                 return
             i = index[ev.id]
             logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
@@ -239,7 +241,7 @@ async def _whole(front: Front, request: Request, shape: Shape, events, index: di
             if ev is None:
                 continue
             if isinstance(ev, Failure):
-                raise APIError(ev.status, ev.message, code="engine_failed" if ev.status == 500 else "unavailable")
+                raise ev.error()
             r = results[index[ev.id]]
             r["text"] += ev.text
             r["tokens"] += ev.tokens

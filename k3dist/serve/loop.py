@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..engine.engine import Engine
 from ..engine.requests import Event, Prompt
-from .errors import bad
+from .errors import APIError, bad
 from .metrics import Metrics
 from .protocol import raise_unavailable
 
@@ -29,6 +29,9 @@ class Failure:
 
     message: str
     status: int = 500
+
+    def error(self) -> APIError:
+        return APIError(self.status, self.message, code="engine_failed" if self.status == 500 else "unavailable")
 
 
 @dataclass

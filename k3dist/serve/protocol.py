@@ -75,8 +75,9 @@ def parse_body(raw: bytes, model: type[_Body]) -> _Body:
         req = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise bad(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        where = ".".join(str(p) for p in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None  # the field, not the union member pydantic tried
+        raise bad(f"{where}: {first['msg']}" if where else first["msg"], param=param) from None
     _check_text(data)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stop) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):

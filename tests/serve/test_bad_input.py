@@ -107,3 +107,16 @@ def test_made_up_fields_are_ignored_and_logged_boundedly(guarded):
         reply = _post(guarded, "/completions", {"prompt": "hi", "max_tokens": 1} | made_up)
         assert reply.status_code == 200, reply.text
     assert 0 < sum("k3_serve_unknown_field" in line for line in guarded.lines) <= 64
+
+
+def test_the_auth_scheme_is_case_free_and_probes_may_use_head(guarded):
+    ok = {"prompt": "hi", "max_tokens": 2}
+    url, body = f"{guarded.url}/completions", json.dumps(ok)
+    for header, status in [(f"bearer  {KEY}", 200), (f"BEARER {KEY}", 200), (f"Basic {KEY}", 401), (KEY, 401)]:
+        r = httpx.post(url, content=body, headers={"Authorization": header, "Content-Type": "application/json"})
+        assert r.status_code == status, (header, r.text)
+    assert httpx.head(f"{guarded.base}/health").status_code == 200
+    assert httpx.head(f"{guarded.base}/metrics").status_code == 200
+    r = _post(guarded, "/completions", ok | {"prompt": [True, 3]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # the field, not pydantic's union member
+    assert "k3dist_prefix_demotions" in guarded.metrics()
