@@ -1,5 +1,5 @@
-"""llama.cpp as a CPU peer: an existing build run on a GGUF of the same twin (../shared/docs/llama-cpp-peer.md says
-how to build it and convert the twin). Nothing of llama.cpp lives here: the benchmarks take paths, and without them
+"""llama.cpp as a CPU peer: an existing build run on a GGUF of the same twin (benchmarks/README.md says how to build
+it and convert the twin). Nothing of llama.cpp lives here: the benchmarks take paths, and without them
 they skip this peer and say so.
 
     --llama-bench PATH          llama-bench (prefill); llama-batched-bench is looked for beside it
