@@ -21,6 +21,7 @@ class Kernels:
     kda_decode: Callable  # kda_fused.kda_decode_fused's signature
     mla_decode: Callable  # mla.mla_decode's signature
     moe_decode: Callable | None = None  # cpu_ops.moe_decode's signature; None: the torch MoE paths
+    kda_prefill: Callable | None = None  # cpu_ops.kda_prefill's signature; None: the chunked reference (kda.py)
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -31,7 +32,7 @@ def _cpu() -> Kernels | None:
 
     if not cpu_ops.available():
         return None
-    return Kernels("cpu", cpu_ops.kda_decode, mla.mla_decode, cpu_ops.moe_decode)
+    return Kernels("cpu", cpu_ops.kda_decode, mla.mla_decode, cpu_ops.moe_decode, cpu_ops.kda_prefill)
 
 
 def _triton() -> Kernels:

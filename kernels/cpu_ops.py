@@ -61,7 +61,7 @@ def build_error() -> str | None:
 
 def _register_fakes() -> None:
     """Shapes for torch.compile (decode.compile=on traces through the ops without running them)."""
-    for name, fake in (("kda_decode", _kda_fake), ("moe_decode", _moe_fake)):
+    for name, fake in (("kda_decode", _kda_fake), ("kda_prefill", _kda_prefill_fake), ("moe_decode", _moe_fake)):
         try:
             torch.library.register_fake(f"k3dist::{name}")(fake)
         except RuntimeError:  # already registered in this process
@@ -70,6 +70,10 @@ def _register_fakes() -> None:
 
 def _kda_fake(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
     return qkv.new_empty(qkv.shape[0], qkv.shape[2])
+
+
+def _kda_prefill_fake(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[3])
 
 
 def _moe_fake(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased):
@@ -84,6 +88,13 @@ def kda_decode(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o
     """kernels/kda_fused.py's kda_decode_fused, as one op (same signature, same roundings)."""
     args = (qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state)
     return torch.ops.k3dist.kda_decode(*args)
+
+
+def kda_prefill(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+    """kda_decode over a chunk of T tokens per sequence: qkv [n, T, 3, P], g_raw and gate [n, T, P], beta_raw
+    [n, T, H], the states as kda_decode's. Returns [n, T, P]: exactly what decoding the tokens one by one returns."""
+    args = (qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state)
+    return torch.ops.k3dist.kda_prefill(*args)
 
 
 def moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k: int, renormalize: bool, scale: float, biased: bool):

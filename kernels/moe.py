@@ -51,30 +51,50 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
+PAD_ROWS = 8  # CPU prefill pads each expert's rows to a multiple of this (see experts_grouped)
+
+
 def experts_grouped(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """Many tokens (prefill): sort the (token, choice) pairs by expert, one grouped GEMM per projection.
 
-    x: [N, D]; ids, weights: [N, k]. Returns [N, D] fp32.
+    x: [N, D]; ids, weights: [N, k]. Returns [N, D] fp32. On a CPU whose torch has the grouped GEMM, each expert's
+    rows are padded with zero rows to a multiple of PAD_ROWS: oneDNN builds and keeps one kernel per GEMM shape, and
+    padded group sizes bound those shapes (random sizes grew its cache 35 MiB in 300 chunks, padded ones 1 MiB), at
+    a third of the fp32 loop's time (grouped_mm).
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
     token = order // k
-    offsets = _group_ends(flat, w13.shape[0])
-    gate_up = grouped_mm(x[token], w13, offsets)
-    gate, up = gate_up.chunk(2, dim=-1)
-    y = grouped_mm(F.silu(gate) * up, w2, offsets)  # [N*k, D]
+    if x.device.type == "cpu" and _grouped_mm_usable(x, w13, w2):
+        counts = _group_counts(flat, w13.shape[0])
+        padded = (counts + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS
+        ends = padded.cumsum(0)
+        expert = flat[order]
+        dest = (ends - padded)[expert] + torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[expert]
+        rows = x.new_zeros(int(ends[-1]), x.shape[1])  # a host read: prefill only
+        rows[dest] = x[token]
+        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends.to(torch.int32)).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends.to(torch.int32))[dest]
+    else:
+        offsets = _group_ends(flat, w13.shape[0])
+        gate, up = grouped_mm(x[token], w13, offsets).chunk(2, dim=-1)
+        y = grouped_mm(F.silu(gate) * up, w2, offsets)  # [N*k, D]
     out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
+
+
+def _grouped_mm_usable(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
+    """torch._grouped_mm is in this torch, for this device and dtype, and the rows meet its 16-byte stride rule."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (w13.shape[-1], w2.shape[-1]))
+    return aligned and hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
 def experts_sorted(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """Decode with more (token, expert) pairs than experts: sort them by expert and run torch._grouped_mm, which takes
     the group ends as a device tensor (no host sync), so each chosen expert's weights are read once instead of once
     per token that chose it. Falls back to `experts_gathered` where the build has no grouped GEMM for this dtype."""
-    aligned = all(n * x.element_size() % 16 == 0 for n in (w13.shape[-1], w2.shape[-1]))  # the kernel's stride rule
-    usable = hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
-    if not (aligned and usable) or torch.compiler.is_compiling():  # its compile-time shape rule wants bf16 only
+    if not _grouped_mm_usable(x, w13, w2) or torch.compiler.is_compiling():  # its compile-time rule wants bf16 only
         return experts_gathered(x, ids, weights, w13, w2)
     N, k = ids.shape
     flat = ids.reshape(-1)
@@ -120,11 +140,15 @@ class DenseExperts:
         return self.w2(act.to(x.dtype).view(N, -1)).float()
 
 
+def _group_counts(flat: Tensor, experts: int) -> Tensor:
+    """How many pairs chose each expert, with a static shape (bincount would size its output from the data: a host
+    sync on CUDA)."""
+    return torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _group_ends(flat: Tensor, experts: int) -> Tensor:
-    """Where each expert's group ends in the sorted pairs, with a static shape (bincount would size its output from
-    the data: a host sync on CUDA)."""
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return counts.cumsum(0)
+    """Where each expert's group ends in the sorted pairs."""
+    return _group_counts(flat, experts).cumsum(0)
 
 
 def experts_loop(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

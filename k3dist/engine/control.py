@@ -47,6 +47,7 @@ class Window:
     demote: tuple[int, ...] = ()  # ... and moved to host memory, before anything else in the window
     steps: int = 0  # decode steps over every slot
     rows: int | None = None  # eager steps: the MLA cache rows no live slot gets past in this window
+    active: int | None = None  # eager steps: the slots stepped (every live one is below it)
     mode: SamplingMode = GREEDY  # the least sampling mode covering the live slots
     stop: int | None = None  # shutdown: every rank leaves its loop (the exit code, 0 for a normal end)
 

@@ -124,12 +124,13 @@ class Engine:
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
         if any(a.emit for a in admitted):  # one step, so the new requests' first tokens are out without delay
             steps = min(steps, 1)
-        rows = None
-        if self.step_fn.kind == "eager":  # no slot of interest gets past this row in the window: attend to no more
+        rows = active = None
+        if self.step_fn.kind == "eager":  # no slot of interest gets past this row or this slot in the window
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps
             rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
+            active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
-        return Window(tuple(admitted), ended, steps=steps, rows=rows, mode=mode, **drops)
+        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, **drops)
 
     def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
         """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one

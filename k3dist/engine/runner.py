@@ -137,7 +137,7 @@ class Runner:
 
     def decode(self, window: Window) -> None:
         self.stage = "decode"
-        self.step.rows = window.rows
+        self.step.rows, self.step.active = window.rows, window.active
         self.faults.after_load(self.rank, "decode")
         if self.model.threads is not None:  # the CPU's thread governor times steps, not the gaps between windows
             self.model.threads.pause()

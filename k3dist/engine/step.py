@@ -63,6 +63,7 @@ class DecodeStep:
         self._graphs: list = []
         self.warmup_seconds = 0.0
         self.rows: int | None = None  # eager only: cache rows MLA attends to (engine.py sets it per window)
+        self.active: int | None = None  # eager only: step the first `active` slots, past which none is live
 
     def buffers(self) -> list[Tensor]:
         return [self.tokens, self.gen, self.out_tokens, self.top_ids, self.top_values, self.out_lse, self.out_logit]
@@ -89,10 +90,12 @@ class DecodeStep:
         self.gen.index_put_((rows,), self.gen[rows] + 1)
 
     def step(self, mode: SamplingMode = GREEDY) -> None:
-        """The static step over every slot."""
-        positions = self.cache.positions
+        """The static step over every slot (an eager step over the first `active` ones: a server at low
+        concurrency then steps the rows it uses, not all of its slots)."""
+        n = self.active or self.batch
+        positions = self.cache.positions[:n]
         at = positions.clamp(max=self.cache.cap - 1)
-        self.emit(self.model.decode(self.tokens, at, self.rows), self.slots, mode)
+        self.emit(self.model.decode(self.tokens[:n], at, self.rows), self.slots[:n], mode)
         positions.add_(1)
 
     def warm_up(self) -> None:

@@ -1,7 +1,8 @@
 """KDA token mixer (docs/model.md) over this rank's heads; owns its slots' conv and recurrent state.
 
 One fused projection reads the normed input for q, k, v, the two low-rank gate inputs and beta; decode hands the
-rest to the backend's fused kernel, prefill to the chunked reference. o_proj is row-parallel: one all-reduce.
+rest to the backend's fused kernel, prefill to the backend's prefill kernel where it has one (the CPU ops: the decode
+update token by token) or else the chunked reference. o_proj is row-parallel: one all-reduce.
 """
 
 from torch import Tensor
@@ -29,11 +30,12 @@ class KDA:
         return qkv, self.f_b(f_a), beta_raw, self.g_b(g_a)
 
     def decode(self, x: Tensor) -> Tensor:
-        """x: [B, D] normed, one token per slot. Returns [B, D] fp32, summed over ranks."""
+        """x: [n, D] normed, one token for each of the first n slots. Returns [n, D] fp32, summed over ranks."""
+        n = x.shape[0]
         qkv, g_raw, beta_raw, gate = self._project(x)
         o = self.kernels.kda_decode(
             qkv.unflatten(-1, (3, -1)),
-            self.conv_state,
+            self.conv_state[:n],
             self.conv_w,
             g_raw,
             beta_raw,
@@ -42,7 +44,7 @@ class KDA:
             self.dt_bias,
             self.o_norm,
             self.eps,
-            self.state,
+            self.state[:n],
         )
         return self.comm.all_reduce(self.o_proj(o).float())
 
@@ -53,6 +55,24 @@ class KDA:
         heads = (n, T, self.heads, self.d)
         qkv, g_raw, beta_raw, gate = self._project(x)
         conv = self.conv_state.index_select(0, slots)
+        if self.kernels.kda_prefill is not None:
+            state = self.state.index_select(0, slots)
+            o = self.kernels.kda_prefill(
+                qkv.unflatten(-1, (3, -1)),
+                conv,
+                self.conv_w,
+                g_raw,
+                beta_raw,
+                gate,
+                self.A_log,
+                self.dt_bias,
+                self.o_norm,
+                self.eps,
+                state,
+            )
+            self.conv_state.index_copy_(0, slots, conv)
+            self.state.index_copy_(0, slots, state)
+            return self.comm.all_reduce(self.o_proj(o).float())
         q, k, v = (  # conv: [n, K-1, 3, P], token-major
             causal_conv_prefill(p, self.conv_w[i], conv[:, :, i]).view(heads)
             for i, p in enumerate(qkv.chunk(3, dim=-1))

@@ -38,14 +38,15 @@ class MLA:
         return q.unflatten(-1, (self.heads, -1)), row
 
     def decode(self, x: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
-        """x: [B, D] normed; positions: [B] where each slot's token goes (a device tensor). Returns [B, D] fp32.
+        """x: [n, D] normed, for the first n slots; positions: [n] where each slot's token goes (a device tensor).
+        Returns [n, D] fp32.
 
         `rows` (eager steps only) bounds the cache rows attended to, when the host knows no slot is past it."""
         B = x.shape[0]
         q, row = self._project(x)
         self.latent.index_put_((torch.arange(B, device=x.device), positions), row.to(self.latent.dtype))
         q_abs = torch.bmm(q[..., : self.dn].transpose(0, 1), self.w_kb).transpose(0, 1)  # per head: q_nope W_kb
-        latent = self.latent if rows is None else self.latent[:, :rows]
+        latent = self.latent[:B] if rows is None else self.latent[:B, :rows]
         ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], latent, positions + 1, self.scale)
         o = torch.bmm(ctx.transpose(0, 1), self.w_vb.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
         return self.comm.all_reduce(self.o_proj(o).float())

@@ -1,132 +1,343 @@
-// KDA's recurrent decode core for the CPU as one op: conv update + SiLU, l2norm, gate, beta, delta rule, output
-// read and gated RMSNorm. The torch reference (kernels/kda_fused.py) runs this as ~100 small ops per layer, each a
+// KDA's recurrent core for the CPU as one op: conv update + SiLU, l2norm, gate, beta, delta rule, output read and
+// gated RMSNorm. The torch reference (kernels/kda_fused.py) runs a decode token as ~100 small ops per layer, each a
 // dispatch and a parallel region; here every (sequence, head) is one task with its [d, d] state in cache.
-// Roundings follow the reference: the conv sum rounds to the compute dtype, SiLU rounds again, all else is fp32.
+// Prefill (kda_prefill) runs the same per-token update over a chunk inside each task: the state stays in cache for
+// the whole chunk, which on a CPU is cheaper than the chunked (WY) form's many small matmuls and [C, C, d] decay
+// tensors, and a prefill's states are bit-identical to decoding its tokens one by one, whatever the chunking.
+// Each token reads and writes the state once: the pass that applies the previous token's rank-1 write k u^T also
+// decays the state and takes S^T k and S^T q, and o = S^T q + u (k . q) follows without reading the state again.
+// Roundings follow the reference: the conv sum rounds to the compute dtype, SiLU rounds again, all else is fp32;
+// exp and log are ATen's own vector functions (Sleef on AVX2/AVX-512), as in torch's elementwise kernels.
+
+// Which of ATen's inline vector implementations this file compiles: the one for the CPU it is built on.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
-
-#include "gemv.h"
 
 namespace {
 
-using k3::rnd;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+template <typename F>
+inline void vmap(float* x, int64_t n, F f) {  // x = f(x) in place, a vector at a time (a partial one at the end)
+  for (int64_t j = 0; j < n; j += W) {
+    const int64_t m = std::min<int64_t>(W, n - j);
+    const Vec v = m == W ? Vec::loadu(x + j) : Vec::loadu(x + j, m);
+    f(v).store(x + j, m);
+  }
+}
+
+inline std::tuple<Vec, Vec> widen(const at::vec::Vectorized<c10::BFloat16>& v) {
+  return at::vec::convert_bfloat16_float(v);
+}
+inline std::tuple<Vec, Vec> widen(const at::vec::Vectorized<c10::Half>& v) { return at::vec::convert_half_float(v); }
+inline at::vec::Vectorized<c10::BFloat16> narrow(const Vec& a, const Vec& b, c10::BFloat16*) {
+  return at::vec::convert_float_bfloat16(a, b);
+}
+inline at::vec::Vectorized<c10::Half> narrow(const Vec& a, const Vec& b, c10::Half*) {
+  return at::vec::convert_float_half(a, b);
+}
 
 template <typename T>
-void kda_head(const T* qkv, int64_t qkv_stride1, T* conv, int64_t conv_row, const T* conv_w, int64_t K,
-              const T* g_raw, const T* beta_raw, const T* gate, float a, const float* dt_bias, const float* o_norm,
-              float eps, float* S, int64_t d, int64_t P, int64_t h, T* out, float* buf) {
-  float* q = buf;
-  float* k = buf + d;
-  float* v = buf + 2 * d;
-  float* g = buf + 3 * d;
-  float* u = buf + 4 * d;
-  float* o = buf + 5 * d;
-  const int64_t K1 = K - 1;
-  for (int i = 0; i < 3; ++i) {  // conv + SiLU over this head's q, k, v channels; the window shifts by one
-    float* dst = i == 0 ? q : (i == 1 ? k : v);
-    for (int64_t j = 0; j < d; ++j) {
-      const int64_t c = i * P + h * d + j;
-      const T* w = conv_w + c * K;
-      const float x = static_cast<float>(qkv[i * qkv_stride1 + h * d + j]);
-      float y = K1 ? static_cast<float>(conv[c]) * static_cast<float>(w[0]) : x * static_cast<float>(w[0]);
-      for (int64_t t = 1; t < K1; ++t) y += static_cast<float>(conv[t * conv_row + c]) * static_cast<float>(w[t]);
-      if (K1) y += x * static_cast<float>(w[K1]);
-      for (int64_t t = 0; t + 1 < K1; ++t) conv[t * conv_row + c] = conv[(t + 1) * conv_row + c];
-      if (K1) conv[(K1 - 1) * conv_row + c] = static_cast<T>(x);
-      const float r = rnd<T>(y);
-      dst[j] = rnd<T>(r / (1.0f + std::exp(-r)));
+constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n) {  // exact widening, two float vectors per low-precision one
+  if constexpr (wide<T>) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+  } else {
+    for (int64_t j = 0; j < n; j += 2 * W) {
+      const int64_t m = std::min<int64_t>(2 * W, n - j);
+      auto [a, b] = widen(at::vec::Vectorized<T>::loadu(src + j, m));
+      a.store(dst + j, std::min<int64_t>(W, m));
+      if (m > W) b.store(dst + j + W, m - W);
     }
+  }
+}
+
+template <typename T>
+void from_float(const float* src, T* dst, int64_t n) {  // round to nearest even, as torch's .to(dtype)
+  if constexpr (wide<T>) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+  } else {
+    for (int64_t j = 0; j < n; j += 2 * W) {
+      const int64_t m = std::min<int64_t>(2 * W, n - j);
+      const Vec a = Vec::loadu(src + j, std::min<int64_t>(W, m));
+      const Vec b = m > W ? Vec::loadu(src + j + W, m - W) : Vec(0.0f);
+      narrow(a, b, static_cast<T*>(nullptr)).store(dst + j, m);
+    }
+  }
+}
+
+template <typename T>
+void round_to(float* x, int64_t n) {  // x = float(T(x))
+  if constexpr (!wide<T>) {
+    T tmp[2 * W];
+    for (int64_t j = 0; j < n; j += 2 * W) {
+      const int64_t m = std::min<int64_t>(2 * W, n - j);
+      from_float<T>(x + j, tmp, m);
+      to_float<T>(tmp, x + j, m);
+    }
+  }
+}
+
+struct Head {  // one (sequence, head) task: its weights, its state, its scratch
+  int64_t d, P, h, K;
+  float a, eps;            // a = exp(A_log[h])
+  const float* wt;         // conv taps [K][3d] fp32, this head's channels
+  const float* dt_bias;    // [P]
+  const float* o_norm;     // [d]
+  float* S;                // [d, d] fp32, key-major
+  float* q, *k, *v, *g, *x, *o, *u, *kp, *up;  // d floats each; kp, up: the pending rank-1 write
+  bool pending = false;
+};
+
+// The token's inputs: conv + SiLU of q, k, v (the window in `conv` shifts by one), l2norm, decay, gate sigmoid.
+template <typename T>
+float prepare(Head& s, const T* qkv, int64_t qkv_stride, T* conv, int64_t conv_row, const T* g_raw, const T* beta_raw,
+              const T* gate) {
+  const int64_t d = s.d, K1 = s.K - 1;
+  for (int i = 0; i < 3; ++i) {
+    float* y = i == 0 ? s.q : (i == 1 ? s.k : s.v);
+    const float* w = s.wt + i * d;
+    const T* in = qkv + i * qkv_stride + s.h * d;
+    T* c = conv + i * s.P + s.h * d;
+    to_float<T>(in, s.x, d);
+    if (K1) {
+      to_float<T>(c, y, d);
+      for (int64_t j = 0; j < d; ++j) y[j] *= w[j];
+    } else {
+      for (int64_t j = 0; j < d; ++j) y[j] = s.x[j] * w[j];
+    }
+    for (int64_t t = 1; t < K1; ++t) {
+      to_float<T>(c + t * conv_row, s.o, d);
+      const float* wt = w + t * 3 * d;
+      for (int64_t j = 0; j < d; ++j) y[j] += s.o[j] * wt[j];
+    }
+    if (K1) {
+      const float* wl = w + K1 * 3 * d;
+      for (int64_t j = 0; j < d; ++j) y[j] += s.x[j] * wl[j];
+    }
+    for (int64_t t = 0; t + 1 < K1; ++t) std::copy(c + (t + 1) * conv_row, c + (t + 1) * conv_row + d, c + t * conv_row);
+    if (K1) std::copy(in, in + d, c + (K1 - 1) * conv_row);
+  }
+  for (float* y : {s.q, s.k, s.v}) {  // SiLU of the rounded sum, rounded again
+    round_to<T>(y, d);
+    vmap(y, d, [](Vec r) { return r / (Vec(1.0f) + r.neg().exp()); });
+    round_to<T>(y, d);
   }
   float qq = 0.f, kk = 0.f;
   for (int64_t j = 0; j < d; ++j) {
-    qq += q[j] * q[j];
-    kk += k[j] * k[j];
+    qq += s.q[j] * s.q[j];
+    kk += s.k[j] * s.k[j];
   }
   const float qs = (1.0f / std::sqrt(qq + 1e-6f)) * (1.0f / std::sqrt(static_cast<float>(d)));
   const float ks = 1.0f / std::sqrt(kk + 1e-6f);
+  to_float<T>(g_raw + s.h * d, s.g, d);
+  to_float<T>(gate + s.h * d, s.x, d);
   for (int64_t j = 0; j < d; ++j) {
-    q[j] *= qs;
-    k[j] *= ks;
-    const float z = static_cast<float>(g_raw[h * d + j]) + dt_bias[h * d + j];
-    const float sp = z > 20.0f ? z : std::log(1.0f + std::exp(z));
-    g[j] = std::exp(-a * sp);
+    s.q[j] *= qs;
+    s.k[j] *= ks;
+    s.g[j] += s.dt_bias[s.h * d + j];
   }
-  const float beta = 1.0f / (1.0f + std::exp(-static_cast<float>(beta_raw[h])));
-  for (int64_t j = 0; j < d; ++j) u[j] = 0.f;
-  for (int64_t r = 0; r < d; ++r) {  // decay along the key dim, then S^T k
+  const Vec twenty(20.0f), neg_a(-s.a), one(1.0f);
+  vmap(s.g, d, [&](Vec z) {  // decay = exp(-a * softplus(z)), softplus as transformers writes it
+    return (neg_a * Vec::blendv((one + z.exp()).log(), z, z > twenty)).exp();
+  });
+  vmap(s.x, d, [&](Vec z) { return one / (one + z.neg().exp()); });
+  return 1.0f / (1.0f + std::exp(-static_cast<float>(beta_raw[s.h])));
+}
+
+// One block of `NB` vectors of state columns [j0, j0 + NB W): every row decays after the pending write, and the
+// block's S^T k and S^T q accumulate in registers.
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;  // raw registers: the accumulators stay in them (ATen's wrapper class made GCC spill them)
+inline Reg reg_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void reg_store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+inline Reg reg_set(float x) { return _mm512_set1_ps(x); }
+inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Reg reg_mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+#else
+using Reg = Vec;
+inline Reg reg_load(const float* p) { return Vec::loadu(p); }
+inline void reg_store(float* p, Reg v) { v.store(p); }
+inline Reg reg_set(float x) { return Vec(x); }
+inline Reg reg_fma(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
+inline Reg reg_mul(Reg a, Reg b) { return a * b; }
+#endif
+
+template <int NB, bool PENDING>
+inline void delta_block(const Head& s, int64_t j0, float* __restrict acc) {
+  const int64_t d = s.d;  // locals: the stores into the state must not make the compiler reload these
+  float* __restrict S = s.S + j0;
+  const float* __restrict g = s.g;
+  const float* __restrict k = s.k;
+  const float* __restrict q = s.q;
+  const float* __restrict kp = s.kp;
+  Reg a[NB], oq[NB], up[NB];
+  for (int b = 0; b < NB; ++b) {
+    a[b] = oq[b] = reg_set(0.0f);
+    up[b] = PENDING ? reg_load(s.up + j0 + b * W) : reg_set(0.0f);
+  }
+  for (int64_t r = 0; r < d; ++r) {
     float* row = S + r * d;
-    const float dec = g[r], kr = k[r];
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) {
-      row[j] *= dec;
-      u[j] += kr * row[j];
+    const Reg dec = reg_set(g[r]), kr = reg_set(k[r]), qr = reg_set(q[r]), kpr = reg_set(PENDING ? kp[r] : 0.0f);
+    for (int b = 0; b < NB; ++b) {
+      Reg w = reg_load(row + b * W);
+      if (PENDING) w = reg_fma(kpr, up[b], w);
+      w = reg_mul(w, dec);
+      reg_store(row + b * W, w);
+      a[b] = reg_fma(kr, w, a[b]);
+      oq[b] = reg_fma(qr, w, oq[b]);
     }
   }
-  for (int64_t j = 0; j < d; ++j) {
-    u[j] = beta * (v[j] - u[j]);
-    o[j] = 0.f;
+  for (int b = 0; b < NB; ++b) {
+    reg_store(acc + j0 + b * W, a[b]);
+    reg_store(s.o + j0 + b * W, oq[b]);
   }
-  for (int64_t r = 0; r < d; ++r) {  // write k u^T, read S^T q from the updated state
-    float* row = S + r * d;
-    const float kr = k[r], qr = q[r];
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) {
-      row[j] += kr * u[j];
-      o[j] += qr * row[j];
+}
+
+template <bool PENDING>
+void delta_columns(Head& s, float* acc) {
+  constexpr int NB = 4;
+  int64_t j0 = 0;
+  for (; j0 + NB * W <= s.d; j0 += NB * W) delta_block<NB, PENDING>(s, j0, acc);
+  for (; j0 + W <= s.d; j0 += W) delta_block<1, PENDING>(s, j0, acc);
+  for (int64_t j = j0; j < s.d; ++j) {  // the last columns, one at a time, with the same fused products
+    float aj = 0.f, oj = 0.f;
+    for (int64_t r = 0; r < s.d; ++r) {
+      float& x = s.S[r * s.d + j];
+      const float w = (PENDING ? std::fma(s.kp[r], s.up[j], x) : x) * s.g[r];
+      x = w;
+      aj = std::fma(s.k[r], w, aj);
+      oj = std::fma(s.q[r], w, oj);
     }
+    acc[j] = aj;
+    s.o[j] = oj;
   }
+}
+
+// The delta rule for one token, reading the state once; its own write k u^T is left pending for the next pass.
+void delta(Head& s, float beta) {
+  const int64_t d = s.d;
+  float* acc = s.x + d;  // S^T k
+  if (s.pending) {
+    delta_columns<true>(s, acc);
+  } else {
+    delta_columns<false>(s, acc);
+  }
+  float kq = 0.f;
+  for (int64_t j = 0; j < d; ++j) kq += s.k[j] * s.q[j];
+  for (int64_t j = 0; j < d; ++j) {
+    s.u[j] = beta * (s.v[j] - acc[j]);
+    s.o[j] += kq * s.u[j];
+  }
+  std::swap(s.k, s.kp);  // this token's k and u become the pending write
+  std::swap(s.u, s.up);
+  s.pending = true;
+}
+
+void flush(Head& s) {  // apply the pending write: the state after the last token
+  if (!s.pending) return;
+  for (int64_t r = 0; r < s.d; ++r) {
+    float* row = s.S + r * s.d;
+    const float kp = s.kp[r];
+    for (int64_t j = 0; j < s.d; ++j) row[j] = std::fma(kp, s.up[j], row[j]);  // as delta's pending write
+  }
+  s.pending = false;
+}
+
+template <typename T>
+void finish(Head& s, T* out) {  // gated RMSNorm of o into the output row
+  const int64_t d = s.d;
   float ms = 0.f;
-  for (int64_t j = 0; j < d; ++j) ms += o[j] * o[j];
-  const float inv = 1.0f / std::sqrt(ms / static_cast<float>(d) + eps);
-  for (int64_t j = 0; j < d; ++j) {
-    const float y = o[j] * inv * o_norm[j];
-    const float s = 1.0f / (1.0f + std::exp(-static_cast<float>(gate[h * d + j])));
-    out[h * d + j] = static_cast<T>(y * s);
-  }
+  for (int64_t j = 0; j < d; ++j) ms += s.o[j] * s.o[j];
+  const float inv = 1.0f / std::sqrt(ms / static_cast<float>(d) + s.eps);
+  for (int64_t j = 0; j < d; ++j) s.o[j] = s.o[j] * inv * s.o_norm[j] * s.x[j];
+  from_float<T>(s.o, out + s.h * d, d);
+}
+
+// qkv [B, T, 3, P] (tokens [3, P] contiguous); g_raw, gate [B, T, P]; beta_raw [B, T, H]; conv_state [B, K-1, 3P];
+// state [B, H, d, d] fp32. Returns [B, T, P].
+at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
+                   const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
+                   const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, at::Tensor& state) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), P = qkv.size(3), H = beta_raw.size(-1), d = P / H;
+  const int64_t K = conv_w.size(-1);
+  TORCH_CHECK(qkv.stride(3) == 1 && qkv.stride(2) == P, "kda: qkv tokens must be [3, P] contiguous");
+  TORCH_CHECK(conv_state.is_contiguous() && state.is_contiguous() && conv_w.is_contiguous(), "kda: layout");
+  TORCH_CHECK(g_raw.stride(-1) == 1 && gate.stride(-1) == 1 && beta_raw.stride(-1) == 1, "kda: layout");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && A_log.scalar_type() == at::kFloat, "kda: fp32 state");
+  auto dt = dt_bias.contiguous().to(at::kFloat);
+  auto alog = A_log.contiguous();
+  auto onorm = o_norm.contiguous().to(at::kFloat);
+  auto out = at::empty({B, T, P}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "kda", [&] {
+    using T_ = scalar_t;
+    const T_* qkv_p = qkv.data_ptr<T_>();
+    T_* conv_p = conv_state.data_ptr<T_>();
+    const T_* w_p = conv_w.data_ptr<T_>();
+    const T_* g_p = g_raw.data_ptr<T_>();
+    const T_* b_p = beta_raw.data_ptr<T_>();
+    const T_* gate_p = gate.data_ptr<T_>();
+    T_* out_p = out.data_ptr<T_>();
+    const int64_t conv_row = 3 * P, conv_b = (K - 1) * conv_row;
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(10 * d), wt(3 * d * K);
+      for (int64_t task = begin; task < end; ++task) {  // heads touch disjoint conv channels: shifted in place
+        const int64_t b = task / H, h = task % H;
+        for (int i = 0; i < 3; ++i)  // conv_w [3P, K] -> taps [K][3d]: each tap a contiguous row
+          for (int64_t j = 0; j < d; ++j)
+            for (int64_t t = 0; t < K; ++t)
+              wt[t * 3 * d + i * d + j] = static_cast<float>(w_p[(i * P + h * d + j) * K + t]);
+        float* f = buf.data();
+        Head s{d, P, h, K, std::exp(alog.data_ptr<float>()[h]), static_cast<float>(eps), wt.data(),
+               dt.data_ptr<float>(), onorm.data_ptr<float>(), state.data_ptr<float>() + (b * H + h) * d * d,
+               f, f + d, f + 2 * d, f + 3 * d, f + 4 * d, f + 6 * d, f + 7 * d, f + 8 * d, f + 9 * d};
+        for (int64_t t = 0; t < T; ++t) {
+          const float beta = prepare<T_>(s, qkv_p + b * qkv.stride(0) + t * qkv.stride(1), qkv.stride(2),
+                                         conv_p + b * conv_b, conv_row, g_p + b * g_raw.stride(0) + t * g_raw.stride(1),
+                                         b_p + b * beta_raw.stride(0) + t * beta_raw.stride(1),
+                                         gate_p + b * gate.stride(0) + t * gate.stride(1));
+          delta(s, beta);
+          finish<T_>(s, out_p + (b * T + t) * P);
+        }
+        flush(s);
+      }
+    });
+  });
+  return out;
 }
 
 at::Tensor kda_decode(const at::Tensor& qkv, at::Tensor conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                       const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
                       const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, at::Tensor state) {
-  const int64_t B = qkv.size(0), P = qkv.size(2), H = beta_raw.size(-1), d = P / H, K = conv_w.size(-1);
-  TORCH_CHECK(qkv.stride(2) == 1 && qkv.stride(1) == P, "kda_decode: qkv rows must be [3, P] contiguous");
-  TORCH_CHECK(conv_state.is_contiguous() && state.is_contiguous() && conv_w.is_contiguous(), "kda_decode: layout");
-  TORCH_CHECK(g_raw.stride(-1) == 1 && gate.stride(-1) == 1 && beta_raw.stride(-1) == 1, "kda_decode: layout");
-  TORCH_CHECK(state.scalar_type() == at::kFloat && A_log.scalar_type() == at::kFloat, "kda_decode: fp32 state");
-  auto dt = dt_bias.contiguous().to(at::kFloat);
-  auto alog = A_log.contiguous();
-  auto onorm = o_norm.contiguous().to(at::kFloat);
-  auto out = at::empty({B, P}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "kda_decode", [&] {
-    using T = scalar_t;
-    const T* qkv_p = qkv.data_ptr<T>();
-    T* conv_p = conv_state.data_ptr<T>();
-    const T* w_p = conv_w.data_ptr<T>();
-    const T* g_p = g_raw.data_ptr<T>();
-    const T* b_p = beta_raw.data_ptr<T>();
-    const T* gate_p = gate.data_ptr<T>();
-    const float* n_p = onorm.data_ptr<float>();
-    const float* a_p = alog.data_ptr<float>();
-    const float* dt_p = dt.data_ptr<float>();
-    float* s_p = state.data_ptr<float>();
-    T* out_p = out.data_ptr<T>();
-    const int64_t conv_row = 3 * P, conv_b = (K - 1) * conv_row;
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(6 * d);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / H, h = task % H;
-        kda_head<T>(qkv_p + b * qkv.stride(0), qkv.stride(1), conv_p + b * conv_b, conv_row, w_p, K,
-                    g_p + b * g_raw.stride(0), b_p + b * beta_raw.stride(0), gate_p + b * gate.stride(0),
-                    std::exp(a_p[h]), dt_p, n_p, static_cast<float>(eps), s_p + (b * H + h) * d * d, d, P, h,
-                    out_p + b * P, buf.data());
-      }
-    });
-  });
-  return out;
+  return kda_run(qkv.unsqueeze(1), conv_state, conv_w, g_raw.unsqueeze(1), beta_raw.unsqueeze(1), gate.unsqueeze(1),
+                 A_log, dt_bias, o_norm, eps, state)
+      .squeeze(1);
+}
+
+at::Tensor kda_prefill(const at::Tensor& qkv, at::Tensor conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
+                       const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
+                       const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, at::Tensor state) {
+  return kda_run(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state);
 }
 
 }  // namespace
@@ -135,6 +346,12 @@ TORCH_LIBRARY_FRAGMENT(k3dist, m) {
   m.def(
       "kda_decode(Tensor qkv, Tensor(a!) conv_state, Tensor conv_w, Tensor g_raw, Tensor beta_raw, Tensor gate, "
       "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, Tensor(b!) state) -> Tensor");
+  m.def(
+      "kda_prefill(Tensor qkv, Tensor(a!) conv_state, Tensor conv_w, Tensor g_raw, Tensor beta_raw, Tensor gate, "
+      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, Tensor(b!) state) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(k3dist, CPU, m) { m.impl("kda_decode", &kda_decode); }
+TORCH_LIBRARY_IMPL(k3dist, CPU, m) {
+  m.impl("kda_decode", &kda_decode);
+  m.impl("kda_prefill", &kda_prefill);
+}

@@ -1,11 +1,14 @@
-"""The C++ CPU decode ops (kernels/cpu_ops.py) against the torch references they replace, on odd shapes too."""
+"""The C++ CPU ops (kernels/cpu_ops.py) against the torch references they replace, on odd shapes too; the KDA prefill
+op against decoding its tokens one by one (bit for bit) and against the chunked reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from k3dist.kernels import cpu_ops, kda_fused
+from k3dist.kernels import cpu_ops, kda, kda_fused
 from k3dist.kernels.backend import select
+from k3dist.kernels.conv import causal_conv_prefill
 from k3dist.kernels.moe import experts_gathered
+from k3dist.kernels.norm import gated_rmsnorm
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=f"CPU ops do not build: {cpu_ops.build_error()}")
 
@@ -44,6 +47,69 @@ def test_kda_decode_equals_the_reference(B, H, d, K, dtype):
         assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
         assert torch.equal(got_in["conv_state"], ref_in["conv_state"])
         assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-5 * ref_in["state"].abs().max().item()
+
+
+def _kda_prefill_inputs(B, T, H, d, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = H * d
+    rand = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    proj = rand(B, T, 3 * P + 2 * d + H + 3).to(dtype)
+    return dict(
+        qkv=proj[..., : 3 * P].unflatten(-1, (3, -1)),
+        conv_state=rand(B, K - 1, 3, P).to(dtype),
+        conv_w=rand(3, P, K, scale=0.5).to(dtype),
+        g_raw=rand(B, T, P).to(dtype),
+        beta_raw=proj[..., 3 * P + 2 * d : 3 * P + 2 * d + H],
+        gate=rand(B, T, P).to(dtype),
+        A_log=torch.rand(H, generator=g).mul(4).add(0.5).log(),
+        dt_bias=rand(P, scale=0.1),
+        o_norm=(torch.rand(d, generator=g) + 0.5).to(dtype),
+        eps=1e-5,
+        state=rand(B, H, d, d, scale=0.1),
+    )
+
+
+def _tokens(args: dict, a: int, b: int, one: bool = False) -> dict:
+    """Tokens [a, b) of the per-token inputs (token a alone, without its axis, for the decode op when `one`)."""
+    pick = (lambda v: v[:, a]) if one else (lambda v: v[:, a:b])  # noqa: E731
+    return {n: pick(v) if n in ("qkv", "g_raw", "beta_raw", "gate") else v for n, v in args.items()}
+
+
+def _chunked_reference(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+    """The model's torch prefill (conv, gate, the chunked delta rule, gated norm), as KDA.prefill runs it."""
+    n, T, _, P = qkv.shape
+    heads = (n, T, beta_raw.shape[-1], P // beta_raw.shape[-1])
+    q, k, v = (causal_conv_prefill(qkv[:, :, i], conv_w[i], conv_state[:, :, i]).view(heads) for i in range(3))
+    o = kda.kda_prefill(
+        q.float(), k, v, kda.kda_gate(g_raw.view(heads), A_log, dt_bias), beta_raw.float().sigmoid(), state
+    )
+    return gated_rmsnorm(o, gate.view(heads), o_norm, eps).to(qkv.dtype).reshape(n, T, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, d, K", [(1, 40, 8, 128, 4), (2, 7, 3, 20, 1), (3, 19, 2, 33, 2), (1, 2, 4, 16, 4)])
+def test_kda_prefill_is_decode_token_by_token(B, T, H, d, K, dtype):
+    """States bit-identical to T decode steps, and to the same tokens prefilled in two chunks; outputs too."""
+    whole, steps, split = (_kda_prefill_inputs(B, T, H, d, K, dtype) for _ in range(3))
+    got = cpu_ops.kda_prefill(**whole)
+    want = torch.stack([cpu_ops.kda_decode(**_tokens(steps, t, t + 1, one=True)) for t in range(T)], dim=1)
+    cut = T // 3 + 1
+    parts = torch.cat([cpu_ops.kda_prefill(**_tokens(split, 0, cut)), cpu_ops.kda_prefill(**_tokens(split, cut, T))], 1)
+    for other, out in ((steps, want), (split, parts)):
+        assert torch.equal(got, out)
+        assert torch.equal(whole["state"], other["state"]) and torch.equal(whole["conv_state"], other["conv_state"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, d, K", [(1, 40, 8, 128, 4), (2, 23, 3, 20, 3)])
+def test_kda_prefill_equals_the_chunked_reference(B, T, H, d, K, dtype):
+    ref_in, got_in = _kda_prefill_inputs(B, T, H, d, K, dtype), _kda_prefill_inputs(B, T, H, d, K, dtype)
+    ref, got = _chunked_reference(**ref_in), cpu_ops.kda_prefill(**got_in)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: last-bit differences in a few outputs
+    assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+    assert torch.equal(got_in["conv_state"], ref_in["conv_state"])
+    assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-4 * ref_in["state"].abs().max().item()
 
 
 def _moe_reference(x, logits, bias, w13, w2, s13, s2, k, renorm, scale, biased):
