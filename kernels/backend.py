@@ -1,9 +1,10 @@
 """The kernel backend, chosen once when the model is built (`kernels.backend=auto|torch|cpu|triton`).
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
-ops (kernels/cpu_ops.py) the KDA decode core and the decode MoE block for the CPU. `auto` is Triton on CUDA and the
-CPU ops on a CPU, each where it builds or imports, else the references. The model receives a `Kernels` the way it
-receives its `TPComm`, and never asks again.
+ops (kernels/cpu_ops.py) the KDA core (decode and prefill), the decode MoE block, a one-row int8 GEMV and the
+logits' top-k with their log-sum-exp for the CPU.
+`auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports, else the references. The model
+receives a `Kernels` the way it receives its `TPComm`, and never asks again.
 """
 
 from collections.abc import Callable
@@ -22,6 +23,8 @@ class Kernels:
     mla_decode: Callable  # mla.mla_decode's signature
     moe_decode: Callable | None = None  # cpu_ops.moe_decode's signature; None: the torch MoE paths
     kda_prefill: Callable | None = None  # cpu_ops.kda_prefill's signature; None: the chunked reference (kda.py)
+    int8_mm: Callable | None = None  # cpu_ops.int8_mm's (one activation row); None: torch's int8 GEMM (quant.py)
+    topk_lse: Callable | None = None  # cpu_ops.topk_lse's; None: torch's top-k and log-sum-exp (model/tp.py)
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -32,7 +35,15 @@ def _cpu() -> Kernels | None:
 
     if not cpu_ops.available():
         return None
-    return Kernels("cpu", cpu_ops.kda_decode, mla.mla_decode, cpu_ops.moe_decode, cpu_ops.kda_prefill)
+    return Kernels(
+        "cpu",
+        cpu_ops.kda_decode,
+        mla.mla_decode,
+        moe_decode=cpu_ops.moe_decode,
+        kda_prefill=cpu_ops.kda_prefill,
+        int8_mm=cpu_ops.int8_mm,
+        topk_lse=cpu_ops.topk_lse,
+    )
 
 
 def _triton() -> Kernels:

@@ -19,7 +19,7 @@ import torch
 log = logging.getLogger("k3dist")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("kda_decode.cpp", "moe_decode.cpp")
+SOURCES = ("kda_decode.cpp", "moe_decode.cpp", "int8_mm.cpp", "topk_lse.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
 
 
@@ -61,7 +61,8 @@ def build_error() -> str | None:
 
 def _register_fakes() -> None:
     """Shapes for torch.compile (decode.compile=on traces through the ops without running them)."""
-    for name, fake in (("kda_decode", _kda_fake), ("kda_prefill", _kda_prefill_fake), ("moe_decode", _moe_fake)):
+    fakes = [("kda_decode", _kda_fake), ("kda_prefill", _kda_prefill_fake), ("moe_decode", _moe_fake)]
+    for name, fake in fakes + [("int8_mm", _int8_fake), ("topk_lse", _topk_lse_fake)]:
         try:
             torch.library.register_fake(f"k3dist::{name}")(fake)
         except RuntimeError:  # already registered in this process
@@ -78,6 +79,16 @@ def _kda_prefill_fake(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_
 
 def _moe_fake(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def _int8_fake(x, q, scales):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _topk_lse_fake(logits, k):
+    B = logits.shape[0]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return torch.empty(B, k, **f32), torch.empty(B, k, dtype=torch.int64, device=logits.device), torch.empty(B, **f32)
 
 
 def available() -> bool:
@@ -102,3 +113,15 @@ def moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k: int, renormal
     stacked w13 [E, 2I, D] / w2 [E, D, I], plus the shared expert (gate_up [2Is, D], down [D, Is], or None).
     Returns [N, D] fp32, as MoE._forward's experts + shared sum before the all-reduce."""
     return torch.ops.k3dist.moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased)
+
+
+def int8_mm(x, q, scales):
+    """x [1, in] times an int8 weight q [out, in] with per-row scales [out]: [1, out] in x's dtype, as torch's
+    _weight_int8pack_mm computes it, at the memory bandwidth (batch-1 decode; more rows: torch's op is faster)."""
+    return torch.ops.k3dist.int8_mm(x, q, scales)
+
+
+def topk_lse(logits, k: int):
+    """logits [B, V] (any float dtype, rows contiguous) -> (the k largest fp32 [B, k] best first, their ids [B, k],
+    the log-sum-exp of each row fp32 [B]), in one pass over each row; among equal values the lower id comes first."""
+    return torch.ops.k3dist.topk_lse(logits, k)

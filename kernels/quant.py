@@ -50,19 +50,23 @@ BLOCK = 4096  # weight rows dequantised at a time for a wide input: the bf16 tra
 class Int8Linear:
     """kernels.linear.Linear's interface over an int8 weight (made here, at bind time, from the compute-dtype one).
 
-    Decode rows go through torch's `_weight_int8pack_mm` (int8 read once, fp32 accumulation). A prefill chunk is
+    Decode rows go through torch's `_weight_int8pack_mm` (int8 read once, fp32 accumulation), a single row through
+    `one_row` where the backend has it (the CPU ops' int8_mm: the same sums at the memory bandwidth). A prefill chunk is
     compute-bound, where that op is several times slower than the bf16 GEMM: there the weight is widened a block of
     rows at a time (int8 is exact in bf16), multiplied by the bf16 GEMM and scaled per output, so no full-size copy
     of the weight ever exists."""
 
-    def __init__(self, weight: Tensor):
+    def __init__(self, weight: Tensor, one_row=None):
         self.shape = weight.shape
         self.weight, self.scales = quantize_int8(weight)
         self.direct = weight.shape[1] % ALIGN == 0
+        self.one_row = one_row
 
     def __call__(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= DECODE_ROWS and self.direct:
+        if flat.shape[0] == 1 and self.one_row is not None:
+            y = self.one_row(flat, self.weight, self.scales)
+        elif flat.shape[0] <= DECODE_ROWS and self.direct:
             y = int8_mm(flat.contiguous(), self.weight, self.scales)
         else:
             y = flat.new_empty(flat.shape[0], self.shape[0])

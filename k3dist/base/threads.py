@@ -60,28 +60,32 @@ class ThreadGovernor:
 
     With its threads spinning briefly between regions (OPENMP) a 2-core step is fastest on a quiet host, and falls
     apart on a loaded one, where every region waits for a descheduled thread; one thread has no such wait and keeps
-    most of the speed (docs/decode.md). So after a few steps the other count is timed for WINDOW steps and kept if
-    it is faster, and it is timed again whenever the current one has slowed to SLOWER x its best, or after `every`
-    steps (EVERY, doubled after each look that kept the count, up to LONGEST: a steady host pays few looks).
+    most of the speed (docs/decode.md). The process's CPU time per wall second tells the two apart without trying:
+    on a quiet 2-core host a step's threads hold about 2.0 cores, while a busy neighbour leaves them about 1.0. So the
+    other count is timed for WINDOW steps, and kept if it is faster, when the threads hold under STARVED of their
+    cores, when the current count has slowed to SLOWER x its best, or after `every` steps (EVERY, doubled after each
+    look that kept the count, up to LONGEST: a steady host pays few looks, a quiet one none in its first EVERY).
     Prefill always runs on every thread (compute-bound). Host-side only: skipped while torch.compile traces.
     """
 
     WINDOW = 6  # steps timed per count per comparison (their median), after one step to settle
-    FIRST = 6  # steps before the first look at the other count
     EVERY, LONGEST = 64, 1024  # steps between looks while nothing changes
     SLOWER = 1.3  # a current count this much slower than its best looks again (after WINDOW more steps)
+    STARVED = 0.75  # threads holding less than this share of their cores (the median of WINDOW steps) look again
     MARGIN = 0.95  # the other count must be this much faster to take over
 
-    def __init__(self, threads: int, clock=None):
+    def __init__(self, threads: int, clock=None, cpu_clock=None):
         import time
 
-        self.clock = clock or time.perf_counter
+        self.clock, self.cpu_clock = clock or time.perf_counter, cpu_clock or time.process_time
         self.full = threads
         self.counts = (threads, 1) if threads > 1 else (threads,)
         self.count, self.active, self.best = threads, threads, {}
         self.recent: list[float] = []
+        self.held: list[float] = []  # cores held per step (CPU seconds per wall second) at the current count
         self.trial: list[float] | None = None
-        self.steps, self.next_look, self.every, self.last, self.settle = 0, self.FIRST, self.EVERY, None, 1
+        self.steps, self.next_look, self.every, self.last, self.settle = 0, self.EVERY, self.EVERY, None, 1
+        self.last_cpu, self.trust_starved = 0.0, 0  # a look that kept the count mutes `starved` until its next look
 
     def _use(self, count: int) -> None:
         import torch
@@ -106,8 +110,9 @@ class ThreadGovernor:
         """At the start of each decode step: time the previous one, maybe switch."""
         if len(self.counts) == 1:
             return
-        now = self.clock()
+        now, cpu = self.clock(), self.cpu_clock()
         took, self.last = (None if self.last is None else now - self.last), now
+        held, self.last_cpu = (None if took is None or took <= 0 else (cpu - self.last_cpu) / took), cpu
         if took is None:
             self._use(self.active)  # the first step, or the first after a prefill: the count in use again
         self.steps += 1
@@ -120,11 +125,14 @@ class ThreadGovernor:
                 self._decide()
             return
         self.recent = (self.recent + [took])[-self.WINDOW :]
+        self.held = (self.held + [held or 0.0])[-self.WINDOW :]
         if len(self.recent) < self.WINDOW:
             return
         now_median = sorted(self.recent)[self.WINDOW // 2]
         best = self.best[self.count] = min(self.best.get(self.count, now_median), now_median)
-        if self.steps >= self.next_look or now_median > self.SLOWER * best:
+        starved = self.count > 1 and self.steps >= self.trust_starved and len(self.held) == self.WINDOW
+        starved = starved and sorted(self.held)[self.WINDOW // 2] < self.STARVED * self.count
+        if self.steps >= self.next_look or now_median > self.SLOWER * best or starved:
             self.trial = []
             self._use(next(c for c in self.counts if c != self.count))
 
@@ -133,9 +141,10 @@ class ThreadGovernor:
         theirs, ours = sorted(self.trial)[self.WINDOW // 2], sorted(self.recent)[self.WINDOW // 2]
         self.best[other] = min(self.best.get(other, theirs), theirs)
         if theirs < self.MARGIN * ours:
-            self.count, self.recent, self.every = other, list(self.trial), self.EVERY
+            self.count, self.recent, self.held, self.every = other, list(self.trial), [], self.EVERY
         else:
             self.every = min(2 * self.every, self.LONGEST)
+            self.trust_starved = self.steps + self.every
         self.best[self.count] = sorted(self.recent)[self.WINDOW // 2]  # the current count's best starts afresh
-        self.trial, self.next_look = None, self.steps + self.every
+        self.trial, self.next_look, self.held = None, self.steps + self.every, []
         self._use(self.count)

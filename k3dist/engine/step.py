@@ -72,7 +72,7 @@ class DecodeStep:
         """Choose the next token of slots `rows` from this rank's logits [n, V_local]; record it at each slot's output
         index with its top logits and the log-sum-exp; make it the slot's next input."""
         comm = self.model.comm
-        values, ids, lse = comm.gather_topk(local_logits, self.top)
+        values, ids, lse = comm.gather_topk(local_logits, self.top, self.model.kernels.topk_lse)
         if mode.sample:
             logits = comm.gather_logits(local_logits.float())
             args = (self.temperature, self.top_p, self.top_k, self.seed, self.gen)

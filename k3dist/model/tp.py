@@ -41,17 +41,21 @@ class TPComm:
         parts = self._gather(local)  # [world, N, V_shard]
         return parts.permute(1, 0, 2).reshape(*lead, -1)[..., : self.vocab_size]
 
-    def gather_topk(self, local: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    def gather_topk(self, local: Tensor, k: int, local_topk=None) -> tuple[Tensor, Tensor, Tensor]:
         """The k largest logits over the whole vocab, their token ids and the log-sum-exp of every logit, from each
         rank's own top-k and log-sum-exp only: one gather, whatever the world.
 
         local: [B, V_local]. Returns (values [B, k] fp32, ids [B, k] int64, lse [B] fp32), best first; values - lse are
-        the log-probabilities of a log-softmax over the whole vocabulary.
+        the log-probabilities of a log-softmax over the whole vocabulary. `local_topk(local, k)` computes the rank's
+        own three in one op where the backend has one (the CPU ops' topk_lse), else torch does below.
         """
         k_local = min(k, local.shape[-1])
-        wide = local.float()  # once, for the top-k and the log-sum-exp both
-        values, ids = _topk(wide, k_local)
-        lse = torch.logsumexp(wide, dim=-1)
+        if local_topk is not None and local.shape[-1]:
+            values, ids, lse = local_topk(local, k_local)
+        else:
+            wide = local.float()  # once, for the top-k and the log-sum-exp both
+            values, ids = _topk(wide, k_local)
+            lse = torch.logsumexp(wide, dim=-1)
         if self.world == 1:
             return values, ids, lse
         values = torch.nn.functional.pad(values, (0, k - k_local), value=float("-inf"))

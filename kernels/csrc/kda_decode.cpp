@@ -7,96 +7,25 @@
 // Each token reads and writes the state once: the pass that applies the previous token's rank-1 write k u^T also
 // decays the state and takes S^T k and S^T q, and o = S^T q + u (k . q) follows without reading the state again.
 // Roundings follow the reference: the conv sum rounds to the compute dtype, SiLU rounds again, all else is fp32;
-// exp and log are ATen's own vector functions (Sleef on AVX2/AVX-512), as in torch's elementwise kernels.
+// exp and log are ATen's vector functions (vec.h).
 
-// Which of ATen's inline vector implementations this file compiles: the one for the CPU it is built on.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+#include "vec.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
-
-template <typename F>
-inline void vmap(float* x, int64_t n, F f) {  // x = f(x) in place, a vector at a time (a partial one at the end)
-  for (int64_t j = 0; j < n; j += W) {
-    const int64_t m = std::min<int64_t>(W, n - j);
-    const Vec v = m == W ? Vec::loadu(x + j) : Vec::loadu(x + j, m);
-    f(v).store(x + j, m);
-  }
-}
-
-inline std::tuple<Vec, Vec> widen(const at::vec::Vectorized<c10::BFloat16>& v) {
-  return at::vec::convert_bfloat16_float(v);
-}
-inline std::tuple<Vec, Vec> widen(const at::vec::Vectorized<c10::Half>& v) { return at::vec::convert_half_float(v); }
-inline at::vec::Vectorized<c10::BFloat16> narrow(const Vec& a, const Vec& b, c10::BFloat16*) {
-  return at::vec::convert_float_bfloat16(a, b);
-}
-inline at::vec::Vectorized<c10::Half> narrow(const Vec& a, const Vec& b, c10::Half*) {
-  return at::vec::convert_float_half(a, b);
-}
-
-template <typename T>
-constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, double>;
-
-template <typename T>
-void to_float(const T* src, float* dst, int64_t n) {  // exact widening, two float vectors per low-precision one
-  if constexpr (wide<T>) {
-    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-  } else {
-    for (int64_t j = 0; j < n; j += 2 * W) {
-      const int64_t m = std::min<int64_t>(2 * W, n - j);
-      auto [a, b] = widen(at::vec::Vectorized<T>::loadu(src + j, m));
-      a.store(dst + j, std::min<int64_t>(W, m));
-      if (m > W) b.store(dst + j + W, m - W);
-    }
-  }
-}
-
-template <typename T>
-void from_float(const float* src, T* dst, int64_t n) {  // round to nearest even, as torch's .to(dtype)
-  if constexpr (wide<T>) {
-    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j]);
-  } else {
-    for (int64_t j = 0; j < n; j += 2 * W) {
-      const int64_t m = std::min<int64_t>(2 * W, n - j);
-      const Vec a = Vec::loadu(src + j, std::min<int64_t>(W, m));
-      const Vec b = m > W ? Vec::loadu(src + j + W, m - W) : Vec(0.0f);
-      narrow(a, b, static_cast<T*>(nullptr)).store(dst + j, m);
-    }
-  }
-}
-
-template <typename T>
-void round_to(float* x, int64_t n) {  // x = float(T(x))
-  if constexpr (!wide<T>) {
-    T tmp[2 * W];
-    for (int64_t j = 0; j < n; j += 2 * W) {
-      const int64_t m = std::min<int64_t>(2 * W, n - j);
-      from_float<T>(x + j, tmp, m);
-      to_float<T>(tmp, x + j, m);
-    }
-  }
-}
+using k3::from_float;
+using k3::round_to;
+using k3::to_float;
+using k3::vmap;
+using k3::Vec;
+using k3::W;
 
 struct Head {  // one (sequence, head) task: its weights, its state, its scratch
   int64_t d, P, h, K;

@@ -161,3 +161,24 @@ def test_kda_decode_traces_under_torch_compile():
 def test_auto_picks_the_cpu_ops_on_a_cpu():
     assert select("auto", torch.device("cpu")).name == "cpu"
     assert select("torch", torch.device("cpu")).name == "torch"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, V, k", [(1, 163840, 5), (8, 20000, 5), (3, 37, 5), (2, 9000, 1), (1, 4, 4)])
+def test_topk_lse_equals_torch(B, V, k, dtype):
+    g = torch.Generator().manual_seed(V + k)
+    x = (torch.randn(B, V, generator=g) * 4).to(dtype)
+    x[0, V // 3] = float("-inf")
+    values, ids, lse = cpu_ops.topk_lse(x, k)
+    want = x.float().topk(k, dim=-1)
+    assert torch.equal(values, want.values) and torch.equal(x.float().gather(1, ids), want.values)
+    torch.testing.assert_close(lse, torch.logsumexp(x.float(), dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_topk_lse_breaks_ties_to_the_lower_id_as_argmax():
+    x = torch.zeros(2, 30000)
+    x[0, [29000, 17, 9000]] = 3.0  # three equal maxima in different chunks, the highest id first
+    x[1, :] = float("-inf")  # no mass at all: -inf, as torch's logsumexp
+    values, ids, lse = cpu_ops.topk_lse(x, 3)
+    assert ids[0].tolist() == [17, 9000, 29000] and ids[0, 0] == x[0].argmax()
+    assert lse[1].item() == float("-inf") and torch.isfinite(lse[0])

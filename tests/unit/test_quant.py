@@ -3,6 +3,7 @@ against what build_model really holds, at several world sizes and configs."""
 
 import pytest
 import torch
+from k3dist.kernels import cpu_ops
 from k3dist.kernels.backend import select
 from k3dist.kernels.quant import Int8Linear, dequantize, int8_bytes, quantize_int8
 
@@ -42,6 +43,23 @@ def test_int8_linear_multiplies_by_its_dequantised_weight(rows, cols, m, dtype):
     assert y.shape == (2, m, rows) and y.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     assert (y.float() - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the CPU ops do not build here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, cols", [(509, 72), (96, 64), (9000, 128), (7, 13), (300, 1000)])
+def test_one_row_goes_through_the_cpu_int8_gemv(rows, cols, dtype):
+    """A single decode row takes the CPU op (any width); it computes torch's int8 GEMM's sums."""
+    g = torch.Generator().manual_seed(rows)
+    lin = Int8Linear(torch.randn(rows, cols, generator=g).to(dtype), cpu_ops.int8_mm)
+    x = torch.randn(1, cols, generator=g).to(dtype)
+    y = lin(x)
+    ref = x.float() @ dequantize(lin.weight, lin.scales).T
+    assert y.shape == (1, rows) and y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (y.float() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    if cols % 16 == 0:
+        torch.testing.assert_close(y, torch.ops.aten._weight_int8pack_mm(x, lin.weight, lin.scales))
 
 
 def _linears(obj, seen=None):
