@@ -13,6 +13,9 @@ from torch import Tensor
 from .linear import Linear
 
 DENSE_MAX_RATIO = 8  # dense experts compute E/k times the routed FLOPs; measured no slower than the grouped loop at 8
+ONE_OP_TOKENS = (
+    16  # decode batches up to this many tokens run the one-op CPU block (cpu_ops.moe_decode) where it builds
+)
 
 
 def experts_gathered(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -51,7 +54,7 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
-PAD_ROWS = 8  # CPU prefill pads each expert's rows to a multiple of this (see experts_grouped)
+PAD_ROWS = 32  # CPU prefill pads each expert's rows to a multiple of this (see experts_grouped)
 
 
 def experts_grouped(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -59,8 +62,9 @@ def experts_grouped(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
 
     x: [N, D]; ids, weights: [N, k]. Returns [N, D] fp32. On a CPU whose torch has the grouped GEMM, each expert's
     rows are padded with zero rows to a multiple of PAD_ROWS: oneDNN builds and keeps one kernel per GEMM shape, and
-    padded group sizes bound those shapes (random sizes grew its cache 35 MiB in 300 chunks, padded ones 1 MiB), at
-    a third of the fp32 loop's time (grouped_mm).
+    padding bounds the shapes to N k / PAD_ROWS per weight (unpadded sizes grew its cache by 35 MiB in 300 chunks,
+    and a 2-rank prefill of 4 x 2,048 tokens by 14 MiB a rank at 8 rows; at 32 by nothing measurable), at a third of
+    the fp32 loop's time (grouped_mm) and no slower than smaller padding on the twin.
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
@@ -107,15 +111,17 @@ def experts_sorted(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Ten
     return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
 
 
-def dense_wanted(experts: int, top_k: int, batch: int, pack: bool) -> bool:
+def dense_wanted(experts: int, top_k: int, batch: int, pack: bool, one_op: bool = False) -> bool:
     """Whether to hold the experts as `DenseExperts` (one packed dense GEMM pair) instead of stacked.
 
     On a CPU with packed bf16 weights (kernels/linear.py), a decode batch whose (token, expert) pairs cover the
     experts reads nearly all of them anyway, and one packed GEMM streams them about twice as fast as the stacked
     paths' many small products (benchmarks/decode.py, BENCHMARKS.md). The packed pair replaces the stacked weights,
-    so prefill runs dense too: that costs E/k times the routed FLOPs, hence the bound on E/k.
+    so prefill runs dense too: that costs E/k times the routed FLOPs, hence the bound on E/k. Where the one-op CPU
+    block serves the batch (`one_op`: it reads the stacked weights, each chosen expert from cache after its first
+    token) the stacked weights stay: at batch 8 on the twin it took a third of the dense pair's time.
     """
-    return pack and batch * top_k >= experts and experts <= DENSE_MAX_RATIO * top_k
+    return not one_op and pack and batch * top_k >= experts and experts <= DENSE_MAX_RATIO * top_k
 
 
 class DenseExperts:

@@ -6,7 +6,7 @@ import torch
 from ..config import ModelConfig
 from ..kernels.backend import Kernels
 from ..kernels.linear import Linear
-from ..kernels.moe import DenseExperts, dense_wanted
+from ..kernels.moe import ONE_OP_TOKENS, DenseExperts, dense_wanted
 from ..kernels.quant import Int8Linear
 from ..weights.quant_plan import quantized
 from .cache import HybridCache
@@ -15,6 +15,13 @@ from .kda import KDA
 from .mla import MLA
 from .moe import DenseMLP, MoE
 from .tp import TPComm
+
+
+def experts_dense(cfg: ModelConfig, batch: int, pack: bool, kernels: Kernels) -> bool:
+    """Whether build_model holds the MoE experts dense (kernels/moe.py's dense_wanted): never where the one-op CPU
+    block serves the batch (one expert group, at most ONE_OP_TOKENS decode tokens). The memory plan asks the same."""
+    one_op = kernels.moe_decode is not None and cfg.num_expert_group == 1 and batch <= ONE_OP_TOKENS
+    return dense_wanted(cfg.num_experts, cfg.top_k, batch, pack, one_op)
 
 
 def build_model(
@@ -33,7 +40,7 @@ def build_model(
     int8 the same way, one at a time (kernels/quant.py)."""
     w = weights.__getitem__
     dtype = weights["model.embed_tokens.weight"].dtype
-    dense = dense_wanted(cfg.num_experts, cfg.top_k, cache.batch, pack)
+    dense = experts_dense(cfg, cache.batch, pack, kernels)
 
     def dense_experts(prefix: str) -> DenseExperts | None:
         if not dense:

@@ -2,7 +2,7 @@
 size over ranks, a shared expert, and one all-reduce for the whole block. No path reads anything on the host:
 decode gathers the chosen experts' weights, prefill groups tokens by expert with static shapes; or, where the
 batch covers the experts on a CPU, every expert runs as one dense GEMM pair (kernels/moe.py's `dense_wanted`); or,
-with the CPU kernels and few (token, expert) pairs, the whole block after the router's GEMV is one op
+with the CPU kernels and up to ONE_OP_TOKENS decode tokens, the whole block after the router's GEMV is one op
 (kernels/cpu_ops.py), reading the stacked and shared weights in place."""
 
 from functools import partial
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.linear import Linear
-from ..kernels.moe import DenseExperts, experts_gathered, experts_grouped, experts_sorted
+from ..kernels.moe import ONE_OP_TOKENS, DenseExperts, experts_gathered, experts_grouped, experts_sorted
 from .layers import swiglu
 
 
@@ -80,12 +80,13 @@ class MoE:
         return self.comm.all_reduce(out).view(shape)
 
     def decode(self, x: Tensor) -> Tensor:
-        """Few (token, expert) pairs: gather the chosen experts' weights; more pairs than experts: sort them and run
-        grouped GEMMs, reading each expert once; dense experts take both. The choice depends on the batch only: a static
-        shape either way."""
-        few = x.reshape(-1, x.shape[-1]).shape[0] * self.top_k < self.experts
-        if few and self.kernel is not None:
+        """Up to ONE_OP_TOKENS tokens with the CPU kernel: the one-op block. Otherwise few (token, expert) pairs:
+        gather the chosen experts' weights; more pairs than experts: sort them and run grouped GEMMs, reading each
+        expert once; dense experts take both. The choice depends on the batch only: a static shape either way."""
+        tokens = x.reshape(-1, x.shape[-1]).shape[0]
+        if self.kernel is not None and self.dense is None and tokens <= ONE_OP_TOKENS:
             return self._one_op(x)
+        few = tokens * self.top_k < self.experts
         return self._forward(x, self._few if few else self._many)
 
     def _one_op(self, x: Tensor) -> Tensor:

@@ -24,8 +24,9 @@ from ..config import ModelConfig, load_config, validate_topology
 from ..engine.runtime import runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
 from ..engine.step import capture_kind
+from ..kernels.backend import select
 from ..kernels.linear import packable
-from ..kernels.moe import dense_wanted
+from ..model.build import experts_dense
 from ..model.cache import cache_nbytes, cache_shapes
 from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
@@ -189,7 +190,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
     kind = capture_kind(s.decode.compile, rt.device)  # every rank alike, before anything is loaded
     pack = s.run.mode in ("generate", "serve") and kind == "eager" and packable(dtype, rt.device)
-    dense = dense_wanted(cfg.num_experts, cfg.top_k, s.generate.batch, pack)  # as build_model will decide
+    dense = experts_dense(cfg, s.generate.batch, pack, select(s.kernels.backend, rt.device))  # as build_model will
     runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense)
     reuse = s.run.mode != "load" and s.prefix.on(s.run.mode, s.generate.prompts is not None)
     pool = (s.prefix.bytes + (s.prefix.host_bytes if rt.device.type == "cpu" else 0)) if reuse else 0

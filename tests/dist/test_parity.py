@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from k3dist.kernels import cpu_ops
 from safetensors.torch import load_file
 
 from k3dist.config import load_config
@@ -86,9 +87,9 @@ def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
         return hf_model(model_dir, dtype)(torch.cat([prompt, tokens], 1), use_cache=False).logits.float()
 
 
-def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, dense_layers=None):
+def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, dense_layers=None, backend="auto"):
     out = tmp_path / f"k3-{world}-{dtype}.safetensors"
-    args = (str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out), STEPS, "unbiased", "eager", pack)
+    args = (str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out), STEPS, "unbiased", "eager", pack, backend)
     expect_ok(run_ranks(teacher_forced, world, *args))
     got = load_file(out)
     if dense_layers is not None:
@@ -132,19 +133,21 @@ def packs() -> bool:
 
 
 @pytest.mark.parametrize(
-    "world, batch, pack",
-    [(1, 2, False), (2, 2, False), (1, 8, True), (2, 8, True)],
-    ids=["w1", "w2", "w1-b8-packed", "w2-b8-packed"],
+    "world, batch, pack, backend",
+    [(1, 2, False, "auto"), (2, 2, False, "auto"), (1, 8, True, "auto"), (2, 8, True, "torch")],
+    ids=["w1", "w2", "w1-b8-packed", "w2-b8-packed-torch"],
 )
-def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, batch, pack, tmp_path):
-    """Packed at batch 8, the twin's 16 experts x top-2 are covered: its MoE layers run dense (kernels/moe.py),
-    where this CPU has oneDNN bf16 (else the packed case runs the plain weights and says so by its layer count)."""
+def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, batch, pack, backend, tmp_path):
+    """Packed at batch 8, the twin's 16 experts x top-2 are covered: with the torch kernels its MoE layers run dense
+    (kernels/moe.py), where this CPU has oneDNN bf16 (else the packed case runs the plain weights and says so by its
+    layer count); with the CPU ops they run the one-op block on the stacked weights instead."""
     prompt, tokens, ref = reference(str(twin_dir), batch=batch)
     T = prompt.shape[1]
     hf_bf16 = hf_logits(str(twin_dir), torch.bfloat16, prompt, tokens)
     moe_layers = sum(spec.mlp == "moe" for spec in load_config(str(twin_dir)).layers)
-    dense = moe_layers if pack and packs() else 0
-    prefill, steps = k3_logits(twin_dir, world, "bfloat16", prompt, tokens, tmp_path, pack, dense)
+    one_op = backend == "auto" and cpu_ops.available()
+    dense = moe_layers if pack and packs() and not one_op else 0
+    prefill, steps = k3_logits(twin_dir, world, "bfloat16", prompt, tokens, tmp_path, pack, dense, backend)
     mine = torch.cat([prefill[:, : T - 1], steps], 1)
     theirs = hf_bf16[:, : T - 1 + STEPS]
     target = ref[:, : T - 1 + STEPS]

@@ -57,12 +57,13 @@ def teacher_forced(
     router: str = "unbiased",
     capture: str = "eager",
     pack: bool = False,
+    backend: str = "auto",
 ):
     """Prefill logits for every prompt position, then one decode step per forced token (or, with `forced` None,
     per greedy token of its own) through the real static step; rank 0 saves logits, tokens and how many MoE layers
     ran dense experts."""
     B, T = len(prompt), len(prompt[0])
-    rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router, pack=pack)
+    rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router, backend, pack)
     dense = dense_layers(model)
     step = DecodeStep(model, cache, (GREEDY,), capture)
     step.warm_up()
