@@ -1,8 +1,8 @@
 """The kernel backend, chosen once when the model is built (`kernels.backend=auto|torch|cpu|triton`).
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
-ops (kernels/cpu_ops.py) the KDA core (decode and prefill), the decode MoE block, a one-row int8 GEMV and the
-logits' top-k with their log-sum-exp for the CPU.
+ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, a one-row
+int8 GEMV and the logits' top-k with their log-sum-exp for the CPU.
 `auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports, else the references. The model
 receives a `Kernels` the way it receives its `TPComm`, and never asks again.
 """
@@ -25,6 +25,7 @@ class Kernels:
     kda_prefill: Callable | None = None  # cpu_ops.kda_prefill's signature; None: the chunked reference (kda.py)
     int8_mm: Callable | None = None  # cpu_ops.int8_mm's (one activation row); None: torch's int8 GEMM (quant.py)
     topk_lse: Callable | None = None  # cpu_ops.topk_lse's; None: torch's top-k and log-sum-exp (model/tp.py)
+    mla_absorbed: Callable | None = None  # cpu_ops.mla_absorbed's; None: bmm's around mla_decode (model/mla.py)
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -43,6 +44,7 @@ def _cpu() -> Kernels | None:
         kda_prefill=cpu_ops.kda_prefill,
         int8_mm=cpu_ops.int8_mm,
         topk_lse=cpu_ops.topk_lse,
+        mla_absorbed=cpu_ops.mla_absorbed,
     )
 
 

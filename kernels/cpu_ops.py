@@ -19,7 +19,7 @@ import torch
 log = logging.getLogger("k3dist")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("kda_decode.cpp", "moe_decode.cpp", "int8_mm.cpp", "topk_lse.cpp")
+SOURCES = ("kda_decode.cpp", "moe_decode.cpp", "int8_mm.cpp", "topk_lse.cpp", "mla_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
 
 
@@ -62,7 +62,8 @@ def build_error() -> str | None:
 def _register_fakes() -> None:
     """Shapes for torch.compile (decode.compile=on traces through the ops without running them)."""
     fakes = [("kda_decode", _kda_fake), ("kda_prefill", _kda_prefill_fake), ("moe_decode", _moe_fake)]
-    for name, fake in fakes + [("int8_mm", _int8_fake), ("topk_lse", _topk_lse_fake)]:
+    fakes += [("int8_mm", _int8_fake), ("topk_lse", _topk_lse_fake), ("mla_decode", _mla_fake)]
+    for name, fake in fakes:
         try:
             torch.library.register_fake(f"k3dist::{name}")(fake)
         except RuntimeError:  # already registered in this process
@@ -89,6 +90,10 @@ def _topk_lse_fake(logits, k):
     B = logits.shape[0]
     f32 = dict(dtype=torch.float32, device=logits.device)
     return torch.empty(B, k, **f32), torch.empty(B, k, dtype=torch.int64, device=logits.device), torch.empty(B, **f32)
+
+
+def _mla_fake(q, latent, lengths, w_kb, w_vb, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * w_vb.shape[1])
 
 
 def available() -> bool:
@@ -125,3 +130,10 @@ def topk_lse(logits, k: int):
     """logits [B, V] (any float dtype, rows contiguous) -> (the k largest fp32 [B, k] best first, their ids [B, k],
     the log-sum-exp of each row fp32 [B]), in one pass over each row; among equal values the lower id comes first."""
     return torch.ops.k3dist.topk_lse(logits, k)
+
+
+def mla_absorbed(q, latent, lengths, w_kb, w_vb, scale: float):
+    """MLA's absorbed decode after the cache write: q [B, H, dn + dr], the latent rows [B, L, r + dr], each sequence's
+    length [B], kv_b's key and value rows per head (w_kb [H, dn, r], w_vb [H, dv, r]) -> o [B, H * dv], as the torch
+    path (model/mla.py) computes it, roundings included."""
+    return torch.ops.k3dist.mla_decode(q, latent, lengths, w_kb, w_vb, scale)

@@ -45,8 +45,11 @@ class MLA:
         B = x.shape[0]
         q, row = self._project(x)
         self.latent.index_put_((torch.arange(B, device=x.device), positions), row.to(self.latent.dtype))
-        q_abs = torch.bmm(q[..., : self.dn].transpose(0, 1), self.w_kb).transpose(0, 1)  # per head: q_nope W_kb
         latent = self.latent[:B] if rows is None else self.latent[:B, :rows]
+        if self.kernels.mla_absorbed is not None:  # the CPU ops: the rest as one op
+            o = self.kernels.mla_absorbed(q.contiguous(), latent, positions + 1, self.w_kb, self.w_vb, self.scale)
+            return self.comm.all_reduce(self.o_proj(o).float())
+        q_abs = torch.bmm(q[..., : self.dn].transpose(0, 1), self.w_kb).transpose(0, 1)  # per head: q_nope W_kb
         ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], latent, positions + 1, self.scale)
         o = torch.bmm(ctx.transpose(0, 1), self.w_vb.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
         return self.comm.all_reduce(self.o_proj(o).float())

@@ -4,7 +4,7 @@ op against decoding its tokens one by one (bit for bit) and against the chunked 
 import pytest
 import torch
 import torch.nn.functional as F
-from k3dist.kernels import cpu_ops, kda, kda_fused
+from k3dist.kernels import cpu_ops, kda, kda_fused, mla
 from k3dist.kernels.backend import select
 from k3dist.kernels.conv import causal_conv_prefill
 from k3dist.kernels.moe import experts_gathered
@@ -182,3 +182,32 @@ def test_topk_lse_breaks_ties_to_the_lower_id_as_argmax():
     values, ids, lse = cpu_ops.topk_lse(x, 3)
     assert ids[0].tolist() == [17, 9000, 29000] and ids[0, 0] == x[0].argmax()
     assert lse[1].item() == float("-inf") and torch.isfinite(lse[0])
+
+
+def _mla_torch(q, latent, lengths, w_kb, w_vb, scale):
+    """model/mla.py's torch path after the cache write."""
+    dn = w_kb.shape[1]
+    q_abs = torch.bmm(q[..., :dn].transpose(0, 1), w_kb).transpose(0, 1)
+    ctx = mla.mla_decode(q_abs, q[..., dn:], latent, lengths, scale)
+    return torch.bmm(ctx.transpose(0, 1), w_vb.transpose(1, 2)).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, H, dn, dr, dv, r, L", [(1, 8, 64, 32, 64, 128, 96), (3, 2, 24, 8, 40, 48, 17)])
+def test_mla_absorbed_equals_the_torch_path(B, H, dn, dr, dv, r, L, dtype):
+    g = torch.Generator().manual_seed(B + L)
+    rand = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    wkvb = rand(H * (dn + dv), r) * 0.2
+    per_head = wkvb.view(H, dn + dv, r)
+    w_kb, w_vb = per_head[:, :dn], per_head[:, dn:]  # views, as the model holds them
+    q, cache = rand(B, H, dn + dr), rand(B, L + 5, r + dr)
+    latent = cache[:, :L]  # a row bound: a strided slice of the cache
+    lengths = torch.tensor([L - 3 * b for b in range(B)])
+    scale = (dn + dr) ** -0.5
+    ref, got = (
+        _mla_torch(q, latent, lengths, w_kb, w_vb, scale),
+        cpu_ops.mla_absorbed(q, latent, lengths, w_kb, w_vb, scale),
+    )
+    assert got.dtype == dtype and got.shape == (B, H * dv)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the same roundings, sums in another order
+    assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
