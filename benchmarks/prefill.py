@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prompt tokens, batch 1")
     ap.add_argument("--batch", type=int, default=4, help="k3dist batch at the longest length (0: none)")
-    ap.add_argument("--chunk", type=int, default=256, help="generate.prefill_chunk of the length and batch rows")
+    ap.add_argument("--chunk", type=int, default=512, help="generate.prefill_chunk of the length and batch rows")
     ap.add_argument("--chunks", type=chunk_value, nargs="*", default=["256", "512", "1024", "full"])
     ap.add_argument("--repeats", type=int, default=3, help="fresh runs per point; medians")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")

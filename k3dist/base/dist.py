@@ -262,13 +262,31 @@ def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
 
 
 FAILURE = "k3dist/failure"
+PRINTED = "k3dist/failure-printed"  # how many ranks printed their line after a published failure
+_published: list[str] = []  # what this rank published, if it did
 
 
 def publish_failure(message: str) -> None:
     """Leave this rank's failure in the rendezvous store (the first one wins), for peers stuck in a collective."""
     try:
         _store().compare_set(FAILURE, "", message)
+        _published.append(message)
     except Exception:  # noqa: BLE001 - the store's host may be gone; the peers then name the lost rank instead
+        pass
+
+
+def printed_after_failure(rt: Runtime, wait_s: float = 5.0) -> None:
+    """After a published failure: count this rank's line as printed, then wait (bounded) until every rank's is. The
+    launcher stops every rank as soon as one exits, so a rank that exited at once could cut a peer off mid-line."""
+    try:
+        store = _store()
+        if not store.check([FAILURE]):
+            return
+        store.add(PRINTED, 1)
+        deadline = time.monotonic() + wait_s
+        while store.add(PRINTED, 0) < rt.world and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
         pass
 
 
@@ -315,18 +333,23 @@ def on_drain_asked(callback, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="k3dist-drain", daemon=True).start()
 
 
-def abort_on_peer_failure(rt: Runtime, interval_s: float = 0.5) -> None:
-    """NCCL only: a daemon thread that aborts this rank's communicators as soon as a peer publishes a failure, so a
-    collective waiting on that peer returns with an error instead of waiting for the watchdog."""
-    if rt.backend != "nccl":
+def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> None:
+    """A daemon thread that acts as soon as a peer publishes a failure. NCCL: abort this rank's communicators, so a
+    collective waiting on that peer returns with an error instead of waiting for the watchdog. gloo, given `end`:
+    call `end(message)`, which ends this rank with the peer's line (a gloo collective fails only once the failing
+    rank is gone, and by then the launcher may stop this rank before it prints)."""
+    if rt.world == 1 or (rt.backend != "nccl" and end is None):
         return
 
     def watch():
         store = _store()
         while True:
             try:
-                if store.check([FAILURE]):
-                    dist.distributed_c10d._abort_process_group()
+                if store.check([FAILURE]) and not _published:
+                    if rt.backend == "nccl":
+                        dist.distributed_c10d._abort_process_group()
+                    else:
+                        end(store.get(FAILURE).decode())
                     return
             except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
                 return

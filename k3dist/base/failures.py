@@ -3,11 +3,14 @@ and a non-zero exit always.
 
 Before the upload every stage that can fail on one rank ends in an agreement (`staged`). After the load a failure
 cannot wait for an agreement (a peer may be blocked inside a collective with the failing rank): it is published in
-the rendezvous store, and a peer whose collective fails prints that line instead of its own (`after_load`).
+the rendezvous store, and a peer whose collective fails, or whose watcher sees it first, prints that line instead of
+its own (`after_load`, `end_with_peer_failure`); every rank then waits (bounded) until all have printed.
 """
 
 import os
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -62,19 +65,33 @@ def _own_fault(exc: Exception) -> bool:
     return not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError) or "injected" in str(exc)
 
 
+_EXITING = threading.Lock()  # a rank's main thread and its peer-failure watcher may both end it: one line only
+
+
 def exit_with_error(exc: K3Error) -> NoReturn:
-    """Print the one `error:` line and exit 1; after an agreed failure, wait (bounded) until every rank printed.
+    """Print the one `error:` line and exit 1; after an agreed or a published failure, wait (bounded) until every
+    rank printed.
 
     `os._exit` skips interpreter teardown: destroying process groups whose peers may be gone can block or abort.
     """
+    if not _EXITING.acquire(blocking=False):
+        while True:  # the other thread prints and exits the process
+            time.sleep(1)
     ErrorHandler().record_exception(exc)  # torch elastic's error file: torchrun's root cause, a sweep's record
     sys.stderr.flush()
     os.write(2, (exc.line + "\n").encode())  # one write: ranks sharing a terminal never interleave lines
     rt = dist.current()
     if exc.agreed and rt is not None and rt.world > 1:
         dist.settle(rt)
+    elif rt is not None and rt.world > 1:
+        dist.printed_after_failure(rt)
     sys.stdout.flush()
     os._exit(1)
+
+
+def end_with_peer_failure(message: str) -> NoReturn:
+    """A peer published its failure (the watcher thread of dist.abort_on_peer_failure): end this rank with that line."""
+    exit_with_error(K3Error(message))
 
 
 def unexpected(exc: Exception) -> K3Error:

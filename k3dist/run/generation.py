@@ -9,7 +9,7 @@ import threading
 from functools import partial
 
 from ..base import dist, signals
-from ..base.failures import after_load
+from ..base.failures import after_load, end_with_peer_failure
 from ..config import ModelConfig
 from ..engine.control import Channel
 from ..engine.engine import Engine, follow
@@ -68,7 +68,8 @@ def generate(
     step = DecodeStep(model, cache, modes, kind)
     runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank, SnapshotStore(cache) if reuse else None)
     channel = Channel(rt, s.dist.check_tokens)
-    dist.abort_on_peer_failure(rt)
+    # rank 0 of a server keeps failing its requests itself when a collective fails; every other rank ends at once
+    dist.abort_on_peer_failure(rt, None if s.run.mode == "serve" and rt.is_main else end_with_peer_failure)
     held = start_peak_window(rt.device)
     after_load("warm-up", rt, step.warm_up)
     # what exists now (config, tokenizer tables, model objects) lives for the whole run: frozen, the cyclic GC stops
