@@ -171,6 +171,12 @@ def settle(rt: Runtime, seconds: float = 5.0) -> None:
 
 
 def shutdown() -> None:
+    """Stop the store watchers, then destroy the group. A daemon thread still inside a store call when the
+    interpreter finalizes is unwound through C++ frames: "terminate called without an active exception", SIGABRT."""
+    for stop, thread in _watchers:
+        stop.set()
+        thread.join(timeout=5.0)
+    _watchers.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -262,6 +268,7 @@ def agree(stage: str, error: str | None, rt: Runtime, **facts) -> list[dict]:
 
 
 FAILURE = "k3dist/failure"
+_watchers: list = []  # (stop event, thread) of the store watchers below, stopped by shutdown
 PRINTED = "k3dist/failure-printed"  # how many ranks printed their line after a published failure
 _published: list[str] = []  # what this rank published, if it did
 
@@ -275,14 +282,17 @@ def publish_failure(message: str) -> None:
         pass
 
 
-def printed_after_failure(rt: Runtime, wait_s: float = 5.0) -> None:
-    """After a published failure: count this rank's line as printed, then wait (bounded) until every rank's is. The
-    launcher stops every rank as soon as one exits, so a rank that exited at once could cut a peer off mid-line."""
+def printed_after_failure(rt: Runtime, wait: bool, wait_s: float = 5.0) -> None:
+    """After a published failure: count this rank's line as printed and, with `wait` (the peers are alive: the
+    failure was a rank's own), wait (bounded) until every rank's is. The launcher stops every rank as soon as one
+    exits, so a rank that exited at once could cut a live peer off before its line."""
     try:
         store = _store()
         if not store.check([FAILURE]):
             return
         store.add(PRINTED, 1)
+        if not wait:
+            return
         deadline = time.monotonic() + wait_s
         while store.add(PRINTED, 0) < rt.world and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -319,18 +329,21 @@ def on_drain_asked(callback, interval_s: float = 0.5) -> None:
     """Rank 0 of a server: a daemon thread calls `callback(signum)` once a follower asks for a drain (ask_drain), so a
     signal that reached one follower only drains the whole server instead of ending it under its requests."""
 
+    stop = threading.Event()
+
     def watch():
         store = _store()
-        while True:
+        while not stop.wait(interval_s):
             try:
                 if store.check([DRAIN]):
                     callback(int(store.get(DRAIN)))
                     return
             except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
                 return
-            time.sleep(interval_s)
 
-    threading.Thread(target=watch, name="k3dist-drain", daemon=True).start()
+    thread = threading.Thread(target=watch, name="k3dist-drain", daemon=True)
+    thread.start()
+    _watchers.append((stop, thread))
 
 
 def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> None:
@@ -341,9 +354,11 @@ def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> Non
     if rt.world == 1 or (rt.backend != "nccl" and end is None):
         return
 
+    stop = threading.Event()
+
     def watch():
         store = _store()
-        while True:
+        while not stop.wait(interval_s):
             try:
                 if store.check([FAILURE]) and not _published:
                     if rt.backend == "nccl":
@@ -353,6 +368,7 @@ def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> Non
                     return
             except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
                 return
-            time.sleep(interval_s)
 
-    threading.Thread(target=watch, name="k3dist-peer-failure", daemon=True).start()
+    thread = threading.Thread(target=watch, name="k3dist-peer-failure", daemon=True)
+    thread.start()
+    _watchers.append((stop, thread))

@@ -54,10 +54,13 @@ def after_load(stage, rt: dist.Runtime, fn):
             own = f"rank {rt.rank}: out of device memory in {stage} (raise memory.reserve or lower generate.batch)"
         if rt.world == 1:
             raise K3Error(own) from None
-        peer = dist.published_failure(wait_s=0.0 if _own_fault(exc) else 5.0)
+        own_fault = _own_fault(exc)
+        peer = dist.published_failure(wait_s=0.0 if own_fault else 5.0)
         if peer is None:
             dist.publish_failure(own)
-        raise K3Error(peer or own) from None
+        error = K3Error(peer or own)
+        error.peers_alive = own_fault and peer is None  # they are stuck in a collective with this rank: wait for them
+        raise error from None
 
 
 def _own_fault(exc: Exception) -> bool:
@@ -84,14 +87,17 @@ def exit_with_error(exc: K3Error) -> NoReturn:
     if exc.agreed and rt is not None and rt.world > 1:
         dist.settle(rt)
     elif rt is not None and rt.world > 1:
-        dist.printed_after_failure(rt)
+        dist.printed_after_failure(rt, wait=getattr(exc, "peers_alive", False))
     sys.stdout.flush()
     os._exit(1)
 
 
 def end_with_peer_failure(message: str) -> NoReturn:
-    """A peer published its failure (the watcher thread of dist.abort_on_peer_failure): end this rank with that line."""
-    exit_with_error(K3Error(message))
+    """A peer published its failure (the watcher thread of dist.abort_on_peer_failure): end this rank with that line,
+    after the other live ranks printed theirs."""
+    error = K3Error(message)
+    error.peers_alive = True
+    exit_with_error(error)
 
 
 def unexpected(exc: Exception) -> K3Error:
