@@ -61,9 +61,15 @@ def build_error() -> str | None:
 
 def _register_fakes() -> None:
     """Shapes for torch.compile (decode.compile=on traces through the ops without running them)."""
-    fakes = [("kda_decode", _kda_fake), ("kda_prefill", _kda_prefill_fake), ("moe_decode", _moe_fake)]
-    fakes += [("int8_mm", _int8_fake), ("topk_lse", _topk_lse_fake), ("mla_decode", _mla_fake)]
-    for name, fake in fakes:
+    fakes = {
+        "kda_decode": _kda_fake,
+        "kda_prefill": _kda_prefill_fake,
+        "moe_decode": _moe_fake,
+        "int8_mm": _int8_fake,
+        "topk_lse": _topk_lse_fake,
+        "mla_decode": _mla_fake,
+    }
+    for name, fake in fakes.items():
         try:
             torch.library.register_fake(f"k3dist::{name}")(fake)
         except RuntimeError:  # already registered in this process

@@ -325,25 +325,29 @@ def ask_drain(signum: int) -> None:
         pass
 
 
-def on_drain_asked(callback, interval_s: float = 0.5) -> None:
-    """Rank 0 of a server: a daemon thread calls `callback(signum)` once a follower asks for a drain (ask_drain), so a
-    signal that reached one follower only drains the whole server instead of ending it under its requests."""
-
+def _watch_store(key: str, act, name: str, interval_s: float) -> None:
+    """A daemon thread polling the store every `interval_s` for `key`; once it is set and `act(value)` returns true,
+    the thread ends. Stopped by `shutdown` before the group goes (see there)."""
     stop = threading.Event()
 
     def watch():
         store = _store()
         while not stop.wait(interval_s):
             try:
-                if store.check([DRAIN]):
-                    callback(int(store.get(DRAIN)))
+                if store.check([key]) and act(store.get(key).decode()):
                     return
             except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
                 return
 
-    thread = threading.Thread(target=watch, name="k3dist-drain", daemon=True)
+    thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
     _watchers.append((stop, thread))
+
+
+def on_drain_asked(callback, interval_s: float = 0.5) -> None:
+    """Rank 0 of a server: a daemon thread calls `callback(signum)` once a follower asks for a drain (ask_drain), so a
+    signal that reached one follower only drains the whole server instead of ending it under its requests."""
+    _watch_store(DRAIN, lambda signum: callback(int(signum)) or True, "k3dist-drain", interval_s)
 
 
 def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> None:
@@ -354,21 +358,13 @@ def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> Non
     if rt.world == 1 or (rt.backend != "nccl" and end is None):
         return
 
-    stop = threading.Event()
+    def act(message: str) -> bool:
+        if _published:  # this rank's own failure: it prints its line itself
+            return False
+        if rt.backend == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            end(message)
+        return True
 
-    def watch():
-        store = _store()
-        while not stop.wait(interval_s):
-            try:
-                if store.check([FAILURE]) and not _published:
-                    if rt.backend == "nccl":
-                        dist.distributed_c10d._abort_process_group()
-                    else:
-                        end(store.get(FAILURE).decode())
-                    return
-            except Exception:  # noqa: BLE001 - store gone: the job is ending anyway
-                return
-
-    thread = threading.Thread(target=watch, name="k3dist-peer-failure", daemon=True)
-    thread.start()
-    _watchers.append((stop, thread))
+    _watch_store(FAILURE, act, "k3dist-peer-failure", interval_s)

@@ -58,9 +58,8 @@ def after_load(stage, rt: dist.Runtime, fn):
         peer = dist.published_failure(wait_s=0.0 if own_fault else 5.0)
         if peer is None:
             dist.publish_failure(own)
-        error = K3Error(peer or own)
-        error.peers_alive = own_fault and peer is None  # they are stuck in a collective with this rank: wait for them
-        raise error from None
+        # an own fault's peers are alive, stuck in a collective with this rank: its exit waits for their lines
+        raise K3Error(peer or own, peers_alive=own_fault and peer is None) from None
 
 
 def _own_fault(exc: Exception) -> bool:
@@ -87,7 +86,7 @@ def exit_with_error(exc: K3Error) -> NoReturn:
     if exc.agreed and rt is not None and rt.world > 1:
         dist.settle(rt)
     elif rt is not None and rt.world > 1:
-        dist.printed_after_failure(rt, wait=getattr(exc, "peers_alive", False))
+        dist.printed_after_failure(rt, wait=exc.peers_alive)
     sys.stdout.flush()
     os._exit(1)
 
@@ -95,9 +94,7 @@ def exit_with_error(exc: K3Error) -> NoReturn:
 def end_with_peer_failure(message: str) -> NoReturn:
     """A peer published its failure (the watcher thread of dist.abort_on_peer_failure): end this rank with that line,
     after the other live ranks printed theirs."""
-    error = K3Error(message)
-    error.peers_alive = True
-    exit_with_error(error)
+    exit_with_error(K3Error(message, peers_alive=True))
 
 
 def unexpected(exc: Exception) -> K3Error:

@@ -29,57 +29,37 @@ class KDA:
         qkv, f_a, g_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
         return qkv, self.f_b(f_a), beta_raw, self.g_b(g_a)
 
+    def _core(self, op, x: Tensor, conv: Tensor, state: Tensor) -> Tensor:
+        """The projections, then the backend's fused core `op` (decode or prefill: one signature) on the given conv
+        and recurrent states, then o_proj and its all-reduce."""
+        qkv, g_raw, beta_raw, gate = self._project(x)
+        args = (self.conv_w, g_raw, beta_raw, gate, self.A_log, self.dt_bias, self.o_norm, self.eps)
+        o = op(qkv.unflatten(-1, (3, -1)), conv, *args, state)
+        return self.comm.all_reduce(self.o_proj(o).float())
+
     def decode(self, x: Tensor) -> Tensor:
         """x: [n, D] normed, one token for each of the first n slots. Returns [n, D] fp32, summed over ranks."""
         n = x.shape[0]
-        qkv, g_raw, beta_raw, gate = self._project(x)
-        o = self.kernels.kda_decode(
-            qkv.unflatten(-1, (3, -1)),
-            self.conv_state[:n],
-            self.conv_w,
-            g_raw,
-            beta_raw,
-            gate,
-            self.A_log,
-            self.dt_bias,
-            self.o_norm,
-            self.eps,
-            self.state[:n],
-        )
-        return self.comm.all_reduce(self.o_proj(o).float())
+        return self._core(self.kernels.kda_decode, x, self.conv_state[:n], self.state[:n])
 
     def prefill(self, x: Tensor, slots: Tensor, start: int) -> Tensor:
         """x: [n, T, D] normed, continuing slots `slots` [n] (their states hold the first `start` tokens).
         Returns [n, T, D] fp32, summed over ranks; the slots' states advance in place."""
+        conv, state = self.conv_state.index_select(0, slots), self.state.index_select(0, slots)
+        if self.kernels.kda_prefill is not None:
+            out = self._core(self.kernels.kda_prefill, x, conv, state)
+            self.conv_state.index_copy_(0, slots, conv)
+            self.state.index_copy_(0, slots, state)
+            return out
         n, T, _ = x.shape
         heads = (n, T, self.heads, self.d)
         qkv, g_raw, beta_raw, gate = self._project(x)
-        conv = self.conv_state.index_select(0, slots)
-        if self.kernels.kda_prefill is not None:
-            state = self.state.index_select(0, slots)
-            o = self.kernels.kda_prefill(
-                qkv.unflatten(-1, (3, -1)),
-                conv,
-                self.conv_w,
-                g_raw,
-                beta_raw,
-                gate,
-                self.A_log,
-                self.dt_bias,
-                self.o_norm,
-                self.eps,
-                state,
-            )
-            self.conv_state.index_copy_(0, slots, conv)
-            self.state.index_copy_(0, slots, state)
-            return self.comm.all_reduce(self.o_proj(o).float())
         q, k, v = (  # conv: [n, K-1, 3, P], token-major
             causal_conv_prefill(p, self.conv_w[i], conv[:, :, i]).view(heads)
             for i, p in enumerate(qkv.chunk(3, dim=-1))
         )
         self.conv_state.index_copy_(0, slots, conv)
         g = kda_gate(g_raw.view(heads), self.A_log, self.dt_bias)
-        state = self.state.index_select(0, slots)
         o = kda_prefill(q.float(), k, v, g, beta_raw.float().sigmoid(), state)  # fp32 q: unrounded into the norm
         self.state.index_copy_(0, slots, state)
         o = gated_rmsnorm(o, gate.view(heads), self.o_norm, self.eps).to(x.dtype).reshape(n, T, -1)

@@ -10,37 +10,11 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "gemv.h"
 
 namespace {
 
 constexpr int64_t GRAIN = 256;  // weight rows per task at least
-
-#if defined(__AVX512F__)
-inline __m512 widen16(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
-#endif
-
-inline float row_dot(const int8_t* w, const float* x, int64_t K) {
-  int64_t k = 0;
-  float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  // four chains: FMA throughput, not its latency
-  for (; k + 64 <= K; k += 64) {
-    a0 = _mm512_fmadd_ps(widen16(w + k), _mm512_loadu_ps(x + k), a0);
-    a1 = _mm512_fmadd_ps(widen16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-    a2 = _mm512_fmadd_ps(widen16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-    a3 = _mm512_fmadd_ps(widen16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
-  }
-  for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(widen16(w + k), _mm512_loadu_ps(x + k), a0);
-  acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#endif
-  for (; k < K; ++k) acc += static_cast<float>(w[k]) * x[k];
-  return acc;
-}
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.size(1) == x.size(1) && scales.numel() == q.size(0), "int8_mm: shapes");
@@ -55,7 +29,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const float* sp = sf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) yp[r] = row_dot(qp + r * K, xp, K) * sp[r];
+    for (int64_t r = begin; r < end; ++r) yp[r] = k3::dot(qp + r * K, xp, K) * sp[r];
   });
   return y.to(x.scalar_type());
 }
