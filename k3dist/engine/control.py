@@ -34,7 +34,8 @@ class Admit:
     seed: int = 0
     restore: int | None = None  # a prefix snapshot to start from: the prefill starts at its length
     saves: tuple[tuple[int, int], ...] = ()  # (position, snapshot id): prefix snapshots to take on the way
-    emit: bool = True  # False: only make snapshots (a finished request's prompt + completion), choose no token
+    emit: bool = True  # False: choose no token (snapshots of a finished request's prompt + completion, or a score)
+    score: int | None = None  # prompt log-probabilities: the k best of every position gathered too (prompt_logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Window:
     rows: int | None = None  # eager steps: the MLA cache rows no live slot gets past in this window
     active: int | None = None  # eager steps: the slots stepped (every live one is below it)
     mode: SamplingMode = GREEDY  # the least sampling mode covering the live slots
+    top: int = 5  # top logits the window's emits gather (step.py's TOP, or more when a live slot asks for more)
     stop: int | None = None  # shutdown: every rank leaves its loop (the exit code, 0 for a normal end)
 
     def to_json(self) -> bytes:

@@ -18,6 +18,7 @@ from .prefix import Moves, PrefixIndex
 from .requests import Completion, Event, Prompt
 from .runner import Runner, prefills_together
 from .sampling import SamplingMode
+from .step import TOP
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
 
@@ -55,6 +56,7 @@ class Engine:
         self.free = list(range(self.cache.batch))
         self.ended: list[int] = []  # slots freed since the last window, told to every rank with the next one
         self.done: list[Event] = []  # requests ended outside a window (aborted while waiting, empty budget)
+        self.scoring: dict[int, Prompt] = {}  # this window's prompts only scored (max_new_tokens 0), by the slot lent
 
     @property
     def timings(self):
@@ -106,17 +108,25 @@ class Engine:
     def _schedule(self, events: list[Event]) -> Window:
         moves, pinned = Moves(), set()
         admitted = self._extensions(moves, pinned)
+        self.scoring = {}
         while self.free and self.waiting and len(admitted) < self.admit_per_window:
             p = self.waiting.popleft()
-            if p.max_new_tokens == 0:  # no slot, no token: its text is empty (not None) where there is a tokenizer
+            if p.max_new_tokens == 0 and p.prompt_logprobs is None:  # no slot, no token: its text is empty (not None)
                 empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
                 events.append(Event(p.id, finish_reason="length", completion=empty))
                 continue
             slot = self.free.pop(0)
+            if p.max_new_tokens == 0:  # scored only: the slot is lent for this window's prefill, no token chosen
+                self.scoring[slot] = p
+                admitted.append(Admit(slot, p.ids, emit=False, score=p.prompt_logprobs))
+                continue
             assembler = self.make_assembler(p) if self.make_assembler else None
             self.live[slot] = _Live(p, Completion(p.id, list(p.ids)), assembler)
-            restore, saves = self._reuse(p.ids, moves, pinned)
-            admitted.append(Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed, restore, saves))
+            # a scored prompt prefills from its first token: a snapshot holds no logits of the positions before it
+            restore, saves = self._reuse(p.ids, moves, pinned) if p.prompt_logprobs is None else (None, ())
+            sampling = (p.temperature, p.top_p, p.top_k, p.seed)
+            admitted.append(Admit(slot, p.ids, *sampling, restore, saves, score=p.prompt_logprobs))
+        self.free = sorted(self.free + list(self.scoring))
         ended, self.ended = tuple(self.ended), []
         drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
         if not self.live:
@@ -130,7 +140,8 @@ class Engine:
             rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
             active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
-        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, **drops)
+        top = max([TOP, *(s.prompt.logprobs or 0 for s in self.live.values())])  # wider only where a slot asks
+        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, top=top, **drops)
 
     def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
         """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
@@ -174,20 +185,24 @@ class Engine:
 
     def _postprocess(self, window: Window) -> list[Event]:
         """Look at the new tokens of every live slot (one device-to-host copy); end the finished sequences."""
+        scores = self.runner.scores  # prompts scored in this window's prefills, by slot
+        events = [self._scored_only(p, scores[slot]) for slot, p in self.scoring.items()]
         if not self.live:
-            return []
+            return events
         for s in self.live.values():
             s.produced += window.steps
         lo = min(s.read for s in self.live.values())
         hi = max(s.produced for s in self.live.values())
         tokens = self.step_fn.out_tokens[:, lo:hi].tolist()
-        scored = self._logprobs(lo, hi) if any(s.prompt.logprobs is not None for s in self.live.values()) else None
-        events = []
+        wanted = any(s.prompt.logprobs is not None for s in self.live.values())
+        scored = self._logprobs(lo, hi, window.top) if wanted else None
         for slot, s in list(self.live.items()):
             at = s.read - lo
             new = tokens[slot][at : s.produced - lo]
             s.read = s.produced
             event = Event(s.prompt.id)
+            if slot in scores and s.prompt.prompt_logprobs is not None:
+                event.prompt_logprobs = scores[slot].entries()
             finished = self._take(s, new, event)
             if scored is not None and s.prompt.logprobs is not None:
                 event.logprobs = [scored(slot, at + i, s.prompt.logprobs) for i in range(len(event.tokens))]
@@ -201,10 +216,15 @@ class Engine:
                 events.append(event)
         return events
 
-    def _logprobs(self, lo: int, hi: int):
+    def _scored_only(self, p: Prompt, scores) -> Event:
+        """The end of a prompt that was only scored (max_new_tokens 0): its prompt log-probabilities, no token."""
+        empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
+        return Event(p.id, finish_reason="length", completion=empty, prompt_logprobs=scores.entries())
+
+    def _logprobs(self, lo: int, hi: int, k: int):
         """The window's log-probabilities, read once: (slot, index, k) -> (chosen token's, [(id, logprob) x k])."""
         st = self.step_fn
-        ids, top = st.top_ids[:, lo:hi].tolist(), st.top_values[:, lo:hi].tolist()
+        ids, top = st.top_ids[:, lo:hi, :k].tolist(), st.top_values[:, lo:hi, :k].tolist()
         lse, chosen = st.out_lse[:, lo:hi].tolist(), st.out_logit[:, lo:hi].tolist()
 
         def scored(slot: int, i: int, k: int):
@@ -233,8 +253,8 @@ class Engine:
 
     def _complete(self, slot: int, s: _Live, event: Event) -> Completion:
         n = len(s.out.tokens)
-        ids = self.step_fn.top_ids[slot, :n].tolist()
-        values = self.step_fn.top_values[slot, :n].tolist()
+        ids = self.step_fn.top_ids[slot, :n, :TOP].tolist()
+        values = self.step_fn.top_values[slot, :n, :TOP].tolist()
         bad = next(((t, v) for t, row in enumerate(values) for v in row if not math.isfinite(v)), None)
         if bad is not None:  # NaN or inf weights (or config numbers) make garbage tokens, never a result
             raise K3Error(

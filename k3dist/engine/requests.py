@@ -18,7 +18,8 @@ class Prompt:
     top_k: int = 0
     seed: int = 0
     stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 5)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 20)
+    prompt_logprobs: int | None = None  # the same for every prompt token (scored in the prefill; prompt_logprobs.py)
 
     @property
     def mode(self) -> SamplingMode:
@@ -45,6 +46,7 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list = field(default_factory=list)  # with Prompt.logprobs: per new token, as in Completion.logprobs
+    prompt_logprobs: list | None = None  # with Prompt.prompt_logprobs, on its first event: per prompt token, None first
     finish_reason: str | None = None
     completion: Completion | None = None
 

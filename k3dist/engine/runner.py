@@ -13,6 +13,7 @@ import torch
 
 from ..base.faults import Faults
 from .control import Admit, Window
+from .prompt_logprobs import PromptScores, score
 from .sampling import slot_seed
 from .snapshots import SnapshotStore
 from .step import DecodeStep
@@ -62,8 +63,11 @@ class Runner:
         self.device = self.cache.positions.device
         self.timings = Timings()
         self.stage = "prefill"  # what the rank is doing: prefill or decode (named in a failure)
+        self.scores: dict[int, PromptScores] = {}  # rank 0: the last window's scored prompts, by slot
 
     def run(self, window: Window) -> None:
+        self.scores = {}
+        self.step.use_top(window.top)
         if self.snapshots is not None:  # evictions first: the pool never holds more than its bytes
             for snap in sorted(set(window.demote) - set(window.drop)):  # demoted, then pushed out of the host tier too
                 self.snapshots.demote(snap)
@@ -109,13 +113,21 @@ class Runner:
             at, saved = self.snapshots.restore(items[0].restore, items[0].slot)
             logits = saved.unsqueeze(0)
         saves = [dict(a.saves) for a in items]
+        scored = {row: PromptScores(a.score) for row, a in enumerate(items) if a.score is not None}
         while at < length:
             end = min(length, (at // c + 1) * c)
-            logits = self.model.prefill(ids[:, at:end], rows, at)
+            h = self.model.prefill_hidden(ids[:, at:end], rows, at)
+            logits = self.model.logits(h[:, -1])
+            for row, wanted in scored.items():  # positions up to the prompt's last but one score its next token
+                if (n := min(end, length - 1) - at) > 0:
+                    wanted.parts.append(score(self.model, h[row, :n], ids[row, at + 1 : at + 1 + n], wanted.k))
+            del h
             for row, (a, wanted) in enumerate(zip(items, saves, strict=True)):
                 if end in wanted:
                     self.snapshots.save(wanted[end], a.slot, end, logits[row])
             at = end
+        if self.rank == 0:  # the other ranks took part in the gathers; only rank 0 answers
+            self.scores |= {items[row].slot: wanted for row, wanted in scored.items()}
         self.cache.positions.index_fill_(0, rows, length)
         if items[0].emit:
             self.step.emit(logits, rows, window.mode)

@@ -9,7 +9,9 @@ Terms (each an upper bound of what is alive at once, in bytes):
   stream around it;
 - logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
   sampler's sort and noise buffers;
-- outputs: the per-slot token and top-5 buffers the host reads;
+- outputs: the per-slot token and top-k buffers the host reads (5 wide, a server's 20);
+- scoring (a server): one block of logits of prompt positions being scored, the gathers of its top-k, and the
+  scored positions of the prompts a window admits (engine/prompt_logprobs.py);
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
 - cpu: an allowance for what the libraries allocate on first use during generation (oneDNN kernels, pools) plus
   a measured growth per prompt token of the batch (allocator fragmentation over long prefills).
@@ -19,7 +21,9 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..model.mla import KEY_BLOCK
+from .prompt_logprobs import SCORE_ROWS
 from .runner import prefills_together
+from .step import TOP, WIDEST
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
@@ -34,10 +38,11 @@ class RuntimeMemory:
     logits: int
     outputs: int
     device: int  # cuda: graph pool + workspace; cpu: host allowance
+    scoring: int = 0  # prompt log-probabilities (a server)
 
     @property
     def total(self) -> int:
-        return self.prefill + self.logits + self.outputs + self.device
+        return self.prefill + self.logits + self.outputs + self.device + self.scoring
 
     def as_dict(self) -> dict:
         return asdict(self) | {"total": self.total}
@@ -93,9 +98,12 @@ def runtime_memory(
     device_type: str,
     dense_experts: bool = False,
     graphs: int = 1,
+    top: int = TOP,
+    scoring: bool = False,
 ) -> RuntimeMemory:
     """`out_len`: tokens each slot's output buffers hold (cache.cap); `graphs`: CUDA graphs captured (one per
-    sampling mode the run may need)."""
+    sampling mode the run may need); `top`: the output buffers' top-k width; `scoring`: whether prompts may be
+    scored (a server)."""
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
@@ -103,10 +111,14 @@ def runtime_memory(
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits
-    outputs = batch * max(out_len, 1) * (8 + 5 * (8 + 4) + 4 + 4)  # token, top-5 ids and logits, lse, its logit
+    outputs = batch * max(out_len, 1) * (8 + top * (8 + 4) + 4 + 4)  # token, top-k ids and logits, lse, its logit
+    score = 0
+    if scoring:  # a block's logits (and fp32 widening), its normed states, the gathers; the admissions' scores
+        block = SCORE_ROWS * (Vl * (s + 4) + cfg.hidden_size * (4 + s) + 2 * world * (WIDEST + 1) * (4 + 8))
+        score = block + together * longest_prompt * (WIDEST * (4 + 8) + 4 + 4)
     if device_type == "cuda":
         step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # a graph pool: one step's tensors
         device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
-    return RuntimeMemory(prefill, logits, outputs, device)
+    return RuntimeMemory(prefill, logits, outputs, device, score)

@@ -1,11 +1,11 @@
 """The decode step: one static function of device tensors, captured once per sampling mode and replayed per token.
 
 `DecodeStep.step` reads each slot's next input token and position, runs the model, chooses the next tokens
-(sampling.py), writes them, their top-5 logits and the log-sum-exp of all logits (for log-probabilities) into per-slot
-output buffers at each slot's output index, and advances tokens, positions and indices: all in place, every shape
-fixed by (batch, cache.cap), no host read anywhere. `decode.compile` decides how it runs: eagerly, as one CUDA graph
-per mode (NCCL all-reduces inside) or through `torch.compile(fullgraph=True)`. The host reads the buffers every
-`decode.sync_every` steps (engine.py).
+(sampling.py), writes them, their top logits (5, or a window's wider k) and the log-sum-exp of all logits (for
+log-probabilities) into per-slot output buffers at each slot's output index, and advances tokens, positions and
+indices: all in place, every shape fixed by (batch, cache.cap), no host read anywhere. `decode.compile` decides how
+it runs: eagerly, as one CUDA graph per mode (NCCL all-reduces inside) or through `torch.compile(fullgraph=True)`.
+The host reads the buffers every `decode.sync_every` steps (engine.py).
 """
 
 import time
@@ -20,6 +20,7 @@ from ..model.decoder import K3Model
 from .sampling import ALL_MODES, GREEDY, SamplingMode, choose_tokens
 
 TOP = 5  # top logits kept per generated token (result.json's top_logits, top_logprobs)
+WIDEST = 20  # the most a request may ask for (OpenAI's and vLLM's limit); a server's output buffers are this wide
 
 
 def capture_kind(setting: str, device: torch.device) -> str:
@@ -38,21 +39,24 @@ def capture_kind(setting: str, device: torch.device) -> str:
 
 
 class DecodeStep:
-    def __init__(self, model: K3Model, cache: HybridCache, modes=(GREEDY,), kind: str = "eager"):
+    def __init__(self, model: K3Model, cache: HybridCache, modes=(GREEDY,), kind: str = "eager", width: int = TOP):
         """`modes`: the sampling modes windows may ask for; a CUDA graph is captured for each at warm-up, and a window
-        runs the least captured mode covering its own."""
+        runs the least captured mode covering its own. `width`: top logits the output buffers hold per token (TOP, or
+        WIDEST for a server); a window gathers only the `top` it needs (TOP unless a live slot asks for more), except
+        a CUDA graph, which was captured with the whole width."""
         self.model, self.cache, self.kind = model, cache, kind
         self.modes = tuple(sorted(set(modes)))
         B, N, dev = cache.batch, cache.cap, cache.positions.device
         self.batch, self.out_len = B, N  # outputs fit a whole cache row: any budget cache.cap admits
-        self.top = min(TOP, model.cfg.vocab_size)
+        self.width = min(max(width, TOP), model.cfg.vocab_size)
+        self.top = min(TOP, self.width)  # the k of this window's gather (engine.py sets it per window)
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         self.slots = torch.arange(B, device=dev)
         self.tokens = zeros(B)  # each slot's next input token
         self.gen = zeros(B)  # index in its output of the token each slot produces next
         self.out_tokens = zeros(B, N)
-        self.top_ids = zeros(B, N, self.top)
-        self.top_values = zeros(B, N, self.top, dtype=torch.float32)
+        self.top_ids = zeros(B, N, self.width)
+        self.top_values = zeros(B, N, self.width, dtype=torch.float32)
         self.out_lse = zeros(B, N, dtype=torch.float32)  # log-sum-exp of all logits: logprob = logit - lse
         self.out_logit = zeros(B, N, dtype=torch.float32)  # the chosen token's logit
         self.temperature = zeros(B, dtype=torch.float32)
@@ -64,6 +68,11 @@ class DecodeStep:
         self.warmup_seconds = 0.0
         self.rows: int | None = None  # eager only: cache rows MLA attends to (engine.py sets it per window)
         self.active: int | None = None  # eager only: step the first `active` slots, past which none is live
+
+    def use_top(self, k: int) -> None:
+        """The k the next steps and emits gather (a window's); a captured graph keeps its own (the whole width)."""
+        if self.kind != "graph" or not self._graphs:
+            self.top = min(max(k, TOP), self.width)
 
     def buffers(self) -> list[Tensor]:
         return [self.tokens, self.gen, self.out_tokens, self.top_ids, self.top_values, self.out_lse, self.out_logit]
@@ -81,9 +90,10 @@ class DecodeStep:
         else:
             token, chosen = ids[:, 0], values[:, 0]
         at = self.gen[rows].clamp(max=self.out_len - 1)  # a finished slot may step on until the host looks
+        k = ids.shape[-1]  # columns past k keep older values: the host reads at most the k its window gathered
         self.out_tokens.index_put_((rows, at), token)
-        self.top_ids.index_put_((rows, at), ids)
-        self.top_values.index_put_((rows, at), values)
+        self.top_ids[..., :k].index_put_((rows, at), ids)
+        self.top_values[..., :k].index_put_((rows, at), values)
         self.out_lse.index_put_((rows, at), lse)
         self.out_logit.index_put_((rows, at), chosen)
         self.tokens.index_put_((rows,), token)
@@ -122,6 +132,7 @@ class DecodeStep:
         self.warmup_seconds = time.perf_counter() - start
 
     def _capture(self, mode: SamplingMode, pool):
+        self.top = self.width  # a graph replays its captured k whatever a window asks: the whole width
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -140,6 +151,9 @@ class DecodeStep:
             t.zero_()
 
     def __call__(self, mode: SamplingMode = GREEDY) -> None:
-        """One step in `mode` (a graph runs the least captured mode that covers it)."""
+        """One step in `mode` (a graph runs the least captured mode that covers it; a compiled step was traced with
+        TOP, so a wider window runs eagerly)."""
         with torch.inference_mode():
+            if self.kind == "compile" and self.top != TOP:
+                return self.step(mode)
             self._runs[mode]()

@@ -52,7 +52,8 @@ class K3Model:
     def _zeros(self, tokens: Tensor) -> Tensor:
         return torch.zeros(*tokens.shape, self.cfg.hidden_size, dtype=self.dtype, device=tokens.device)
 
-    def _logits(self, h: Tensor) -> Tensor:
+    def logits(self, h: Tensor) -> Tensor:
+        """This rank's logits [..., V_local] of final hidden states [..., D] (fp32)."""
         return self.head(rmsnorm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype))
 
     @torch.inference_mode()
@@ -62,12 +63,19 @@ class K3Model:
         Writes the slots' cache in place (their positions are the caller's to advance). Returns this rank's logits
         of the last token [n, V_local], or of every token [n, T, V_local].
         """
+        h = self.prefill_hidden(tokens, slots, start)
+        return self.logits(h if all_logits else h[:, -1])
+
+    @torch.inference_mode()
+    def prefill_hidden(self, tokens: Tensor, slots: Tensor, start: int) -> Tensor:
+        """As prefill, but returns the final hidden states [n, T, D] (fp32): a caller scoring every position turns
+        them into logits a few rows at a time (engine/prompt_logprobs.py)."""
         if self.threads is not None:
             self.threads.prefill()
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer.prefill(h, slots, start, self.dtype)
-        return self._logits(h if all_logits else h[:, -1])
+        return h
 
     def decode(self, tokens: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
         """The static step's model part: tokens [B] at positions [B] (device tensors) -> logits [B, V_local].
@@ -81,4 +89,4 @@ class K3Model:
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer.decode(h, positions, self.dtype, rows)
-        return self._logits(h)
+        return self.logits(h)

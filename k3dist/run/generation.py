@@ -16,7 +16,7 @@ from ..engine.engine import Engine, follow
 from ..engine.prefix import PrefixIndex
 from ..engine.runner import Runner
 from ..engine.snapshots import SnapshotStore, snapshot_bytes
-from ..engine.step import DecodeStep
+from ..engine.step import TOP, WIDEST, DecodeStep
 from ..kernels.backend import select
 from ..model.build import build_model
 from ..model.cache import HybridCache, cache_shapes
@@ -65,7 +65,7 @@ def generate(
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
     model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack, s.model.quant)
-    step = DecodeStep(model, cache, modes, kind)
+    step = DecodeStep(model, cache, modes, kind, width=WIDEST if s.run.mode == "serve" else TOP)
     runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank, SnapshotStore(cache) if reuse else None)
     channel = Channel(rt, s.dist.check_tokens)
     # rank 0 of a server keeps failing its requests itself when a collective fails; every other rank ends at once

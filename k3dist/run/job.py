@@ -23,7 +23,7 @@ from ..base.paths import inside
 from ..config import ModelConfig, load_config, validate_topology
 from ..engine.runtime import runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
-from ..engine.step import capture_kind
+from ..engine.step import TOP, WIDEST, capture_kind
 from ..kernels.backend import select
 from ..kernels.linear import packable
 from ..model.build import experts_dense
@@ -103,10 +103,11 @@ def reserve_of(s: Settings, device: torch.device) -> int:
 
 
 def runtime_of(s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, modes, dense=False):
-    """runtime_bytes for prompts of up to `longest` tokens, sampling `modes`, outputs of a whole cache row."""
-    g, sample = s.generate, any(m.sample for m in modes)
+    """runtime_bytes for prompts of up to `longest` tokens, sampling `modes`, outputs of a whole cache row (a
+    server's 20 log-probabilities wide, and its prompts scored)."""
+    g, sample, serving = s.generate, any(m.sample for m in modes), s.run.mode == "serve"
     args = (cfg, world, g.batch, longest, g.prefill_chunk, s.cache.cap, sample, dtype.itemsize, device_type, dense)
-    return runtime_memory(*args, graphs=len(modes))
+    return runtime_memory(*args, graphs=len(modes), top=WIDEST if serving else TOP, scoring=serving)
 
 
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:

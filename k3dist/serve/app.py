@@ -18,10 +18,13 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from ..base.errors import K3Error
+from .completions import Batch, Echo, batch_choices, budgets, prompt_batch
 from .errors import APIError, bad
 from .loop import EngineLoop, Failure
-from .protocol import ChatRequest, CompletionRequest, budget, choices, completion_ids, parse_body
+from .protocol import ChatRequest, CompletionRequest, choices, parse_body
 from .responses import Shape, usage
+from .tokenizer_routes import PATHS as TOKENIZER_PATHS
+from .tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("k3dist")
 LOOK_S = 0.5  # how often a whole (not streamed) response looks whether its client is still there
@@ -65,15 +68,17 @@ class _Responding:
 
 
 class _Auth:
-    """ASGI middleware: with a key, every /v1 route wants `Authorization: Bearer <key>` (401 otherwise). Plain ASGI,
-    not `@app.middleware`: Starlette's BaseHTTPMiddleware wraps `receive` so that Request.is_disconnected() never
-    sees a client leave, and a whole response would then hold its slots to the end for nobody."""
+    """ASGI middleware: with a key, every /v1 route and the tokenizer routes want `Authorization: Bearer <key>` (401
+    otherwise). Plain ASGI, not `@app.middleware`: Starlette's BaseHTTPMiddleware wraps `receive` so that
+    Request.is_disconnected() never sees a client leave, and a whole response would then hold its slots to the end
+    for nobody."""
 
     def __init__(self, app, key: str | None):
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        keyed = scope.get("path", "").startswith("/v1") or scope.get("path") in TOKENIZER_PATHS
+        if self.key and scope["type"] == "http" and keyed:
             scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
             given = token.strip().encode("latin-1")  # the header's own bytes; the scheme's case is free (RFC 7235)
             if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.key.encode()):
@@ -129,6 +134,7 @@ def build_app(front: Front) -> FastAPI:
     async def chat(request: Request):
         return await _generate(front, request, ChatRequest)
 
+    add_tokenizer_routes(app, front, _body)
     return app
 
 
@@ -146,12 +152,12 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _encode(front: Front, req) -> list[int]:
+def _encode(front: Front, req) -> Batch:
     """Prompt ids, through the chat template for chat (in a worker thread: tokenizing is CPU work)."""
     try:
         if isinstance(req, ChatRequest):
-            return front.text.encode_chat(req.messages, "messages", req.tools)
-        return completion_ids(req, front.text.tokenizer, front.vocab)
+            return Batch([front.text.encode_chat(req.messages, "messages", req.tools)], [""], req.n)
+        return prompt_batch(req, front.text.tokenizer, front.vocab)
     except K3Error as exc:
         raise bad(str(exc), "messages" if isinstance(req, ChatRequest) else "prompt") from None
 
@@ -170,13 +176,18 @@ async def _generate(front: Front, request: Request, kind):
             "model",
             "model_not_found",
         )
-    ids = await run_in_threadpool(_encode, front, req)
-    max_new = budget(req, len(ids), front.cap)
+    batch = await run_in_threadpool(_encode, front, req)
+    limits = budgets(req, batch, front.cap)
     chat = kind is ChatRequest
     logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    shape = Shape(request_id, front.model_name, chat, front.text.tokenizer, ids if req.return_token_ids else None)
-    prompts = choices(req, shape.id, ids, max_new, logprobs)
+    asked_ids = (batch.ids[0] if len(batch.ids) == 1 else batch.ids) if req.return_token_ids else None
+    shape = Shape(request_id, front.model_name, chat, front.text.tokenizer, asked_ids)
+    if chat:
+        prompts = choices(req, shape.id, batch.ids[0], limits[0], logprobs)
+    else:
+        prompts = batch_choices(req, shape.id, batch, limits, front.loop.max_waiting + front.loop.engine.cache.batch)
+    echo = Echo(batch, shape, logprobs is not None) if getattr(req, "echo", False) else None
     events: asyncio.Queue = asyncio.Queue()
     aio = asyncio.get_running_loop()
     front.loop.submit(prompts, lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev), arrived)
@@ -184,19 +195,20 @@ async def _generate(front: Front, request: Request, kind):
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(front, shape, events, index, len(ids), include, logprobs is not None),
+            _stream(front, shape, events, index, batch.tokens, include, logprobs is not None, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _whole(front, request, shape, events, index, len(ids))
+    return await _whole(front, request, shape, events, index, batch.tokens, echo)
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored):
+async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored, echo):
     pending, produced, offsets = dict(index), 0, [0] * len(index)
+    echoed: set[int] = set()  # choices whose prompt (echo) went out: the first chunk of each
     try:
         if shape.chat:
             for i in range(len(index)):
@@ -207,6 +219,11 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
                 yield _sse(ev.error().body)
                 return
             i = index[ev.id]
+            if echo is not None and i not in echoed:
+                echoed.add(i)
+                text, head = echo.head(i, ev.prompt_logprobs)
+                yield _sse(shape.chunk(i, text, None, head, False, include_usage))
+                offsets[i] = len(text)
             logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
             offsets[i] += len(ev.text)
             if ev.text or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
@@ -223,10 +240,10 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
             front.loop.abort(list(pending))
 
 
-async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int):
+async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int, echo=None):
     """The whole response once every choice has ended. The connection is looked at every LOOK_S whether events
     flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end."""
-    results = [{"text": "", "tokens": [], "logprobs": [], "finish": None} for _ in index]
+    results = [{"text": "", "tokens": [], "logprobs": [], "finish": None, "prompt": None} for _ in index]
     pending, look = dict(index), time.monotonic() + LOOK_S
     try:
         while pending:
@@ -246,11 +263,12 @@ async def _whole(front: Front, request: Request, shape: Shape, events, index: di
             r["text"] += ev.text
             r["tokens"] += ev.tokens
             r["logprobs"] += ev.logprobs
+            r["prompt"] = ev.prompt_logprobs if ev.prompt_logprobs is not None else r["prompt"]
             if ev.finished:
                 r["finish"] = ev.finish_reason
                 del pending[ev.id]
         body = shape.whole(results, usage(prompt_len, sum(len(r["tokens"]) for r in results)))
-        return JSONResponse(body)
+        return JSONResponse(echo.whole(body, [r["prompt"] for r in results]) if echo is not None else body)
     finally:
         if pending:
             front.loop.abort(list(pending))

@@ -11,12 +11,13 @@ import secrets
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.requests import Prompt
+from ..engine.step import WIDEST
 from .errors import APIError, bad
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # per request (OpenAI allows 4)
 MAX_DEPTH = 32  # JSON nesting a body may have (tools schemas nest; nothing needs more)
 MAX_N = 16
-TOP_LOGPROBS = 5  # the step keeps the 5 best logits per token
+TOP_LOGPROBS = WIDEST  # the most log-probabilities per token a request may ask for (OpenAI's and vLLM's 20)
 INT64 = 2**63
 
 
@@ -46,7 +47,8 @@ class Sampling(_Body):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt or a batch (serve/completions.py)
+    max_tokens: int | None = Field(None, ge=0)  # 0: nothing generated (with echo and logprobs: the prompt scored)
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
     echo: bool = False
 
@@ -79,11 +81,10 @@ def parse_body(raw: bytes, model: type[_Body]) -> _Body:
         param = str(first["loc"][0]) if first["loc"] else None  # the field, not the union member pydantic tried
         raise bad(f"{where}: {first['msg']}" if where else first["msg"], param=param) from None
     _check_text(data)
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    given = req.stop if isinstance(req, Sampling) else None  # the tokenizer routes' bodies have none
+    stop = [given] if isinstance(given, str) else (given or [])
     if len(stop) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise bad(f"stop takes at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
-    if getattr(req, "echo", False):
-        raise bad("echo is not supported", "echo")
     if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs needs logprobs=true", "top_logprobs")
     return req
@@ -135,27 +136,25 @@ def budget(req: Sampling, prompt_len: int, cap: int) -> int:
     return asked
 
 
-def choices(req: Sampling, request_id: str, ids: list[int], max_new: int, logprobs: int | None) -> list[Prompt]:
-    """One engine Prompt per choice; without a seed rank 0 draws one (the record carries it to every rank)."""
-    seed = req.seed if req.seed is not None else secrets.randbits(62)
+def draw_seed(req: Sampling) -> int:
+    """The request's seed; without one rank 0 draws one (the record carries it to every rank)."""
+    return req.seed if req.seed is not None else secrets.randbits(62)
+
+
+def choices(
+    req: Sampling, request_id: str, ids: list[int], max_new: int, logprobs, *, first=0, seed=None, score=None
+) -> list[Prompt]:
+    """One engine Prompt per choice, numbered from `first` (a batch's prompt i starts at i * n), choice j seeded
+    `seed + j` (so a prompt's choices in a batch are those it has alone); `score`: the prompt log-probabilities'
+    k (echo with logprobs), or None."""
+    seed = draw_seed(req) if seed is None else seed
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     common = dict(ids=tuple(ids), max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p)
-    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs)
-    return [Prompt(f"{request_id}-{i}", seed=(seed + i + INT64) % (2 * INT64) - INT64, **common) for i in range(req.n)]
-
-
-def completion_ids(req: CompletionRequest, tokenizer, vocab: int) -> list[int]:
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise bad("one prompt per request: send a list of several prompts as separate requests", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    out = [t for t in prompt if t < 0 or t >= vocab]
-    if out:
-        raise bad(f"prompt token ids {out[:5]} are outside the vocabulary (0..{vocab - 1})", "prompt")
-    return list(prompt)
+    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs, prompt_logprobs=score)
+    return [
+        Prompt(f"{request_id}-{first + i}", seed=(seed + i + INT64) % (2 * INT64) - INT64, **common)
+        for i in range(req.n)
+    ]
 
 
 def raise_unavailable(message: str, retry_after: int = 1) -> None:

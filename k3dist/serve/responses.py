@@ -19,6 +19,14 @@ class Shape:
         raw = self.tokenizer.decode_bytes([token])
         return raw.decode("utf-8", errors="replace"), list(raw)
 
+    def top_by_text(self, top: list) -> dict:
+        """[(id, logprob)] best first -> {token text: logprob}; tokens sharing a text keep the best one's (so the
+        largest value is always the best token's, which evaluators compare a token's log-probability with)."""
+        out: dict = {}
+        for t, v in top:
+            out.setdefault(self.token_text(t)[0], v)
+        return out
+
     def logprobs(self, entries: list, tokens: list[int], offset: int = 0) -> dict | None:
         """Per token (logprob, [(id, logprob)...]) -> the API's logprobs object, or None when none were asked."""
         if not entries:
@@ -38,7 +46,7 @@ class Shape:
         return {
             "tokens": texts,
             "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{self.token_text(t)[0]: v for t, v in top} for _, top in entries],
+            "top_logprobs": [self.top_by_text(top) for _, top in entries],
             "text_offset": offsets,
         }
 
