@@ -1,6 +1,6 @@
 """Prometheus metrics of the server (GET /metrics), in a registry of its own: requests running and waiting, slots in
-use, prompt and generation tokens, time to first token, inter-token latency and end-to-end latency, and the prefix
-snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate."""
+use, prompt and generation tokens, time to first token, inter-token latency and end-to-end latency, the seconds spent
+in prefill and in decode, and the prefix snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -24,6 +24,10 @@ class Metrics:
         )
         self.itl = Histogram("k3dist_inter_token_latency_seconds", "Between tokens", buckets=TOKEN_GAPS, registry=r)
         self.e2e = Histogram("k3dist_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY, registry=r)
+
+        # rank 0's time in prefill forwards (prompt scoring included) and in decode steps: where the time goes
+        self.prefill_seconds = Gauge("k3dist_prefill_seconds", "Seconds in prefill (rank 0)", registry=r)
+        self.decode_seconds = Gauge("k3dist_decode_seconds", "Seconds in decode steps (rank 0)", registry=r)
 
         prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "evictions", "demotions", "hit_rate")
         self.prefix = {k: Gauge(f"k3dist_prefix_{k}", f"Prefix snapshots: {k}", registry=r) for k in prefix}

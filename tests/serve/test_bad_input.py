@@ -49,7 +49,8 @@ def _cases(model: str):
         ("NaN temperature", "/completions", None, b'{"prompt": "a", "temperature": NaN}', KEY, 400, "finite", None),
         ("top_p zero", "/completions", ok | {"top_p": 0}, None, KEY, 400, "greater than 0", "top_p"),
         ("n zero", "/completions", ok | {"n": 0}, None, KEY, 400, "greater", "n"),
-        ("logprobs six", "/completions", ok | {"logprobs": 6}, None, KEY, 400, "less than", "logprobs"),
+        ("logprobs 21", "/completions", ok | {"logprobs": 21}, None, KEY, 400, "less than", "logprobs"),
+        ("batch out of vocab", "/completions", ok | {"prompt": [[3], [9999]]}, None, KEY, 400, "prompt[1]", "prompt"),
         ("empty prompt", "/completions", ok | {"prompt": ""}, None, KEY, 400, "empty", "prompt"),
         ("too long", "/completions", ok | {"max_tokens": CAP}, None, KEY, 400, f"cache.cap={CAP}", "max_tokens"),
         ("ids out of vocab", "/completions", ok | {"prompt": [3, 99999]}, None, KEY, 400, "vocabulary", "prompt"),
@@ -80,6 +81,10 @@ def test_malformed_requests_get_their_envelope_and_status(guarded):
     assert guarded.metrics()["k3dist_requests_running"] == 0
     assert httpx.get(f"{guarded.base}/health").status_code == 200  # /health and /metrics want no key
     assert httpx.get(f"{guarded.url}/models").status_code == 401
+    for method, path in [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info")]:
+        assert httpx.request(method, f"{guarded.base}{path}").status_code == 401, path  # keyed as /v1 is
+    huge = httpx.post(f"{guarded.base}/tokenize", content=b"x" * 70000, headers={"Authorization": f"Bearer {KEY}"})
+    assert huge.status_code == 413 and set(huge.json()["error"]) == {"message", "type", "param", "code"}
 
 
 async def _flood(server, count: int) -> list[httpx.Response]:
