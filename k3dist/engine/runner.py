@@ -82,9 +82,10 @@ class Runner:
         """Reset the slots, restore their prefix snapshots, prefill the rest (same-length fresh prompts together
         where `prefills_together`), take the snapshots asked for, emit each first token.
 
-        Order matters, and is the same on every rank: snapshot-only work (a finished request's) first, then fresh
-        prompts, then those starting from a snapshot, one by one in record order, so a snapshot an earlier admission
-        of this window takes is there for a later one to restore."""
+        Order matters, and is the same on every rank: work that chooses no token (a finished request's snapshots, a
+        prompt only scored) first, then fresh prompts, then those starting from a snapshot, one by one in record
+        order, so a snapshot an earlier admission of this window takes is there for a later one to restore. A prompt
+        that asks for its log-probabilities is scored chunk by chunk as it is prefilled (prompt_logprobs.py)."""
         self.stage = "prefill"
         self.faults.after_load(self.rank, "prefill")
         _sync(self.device)
