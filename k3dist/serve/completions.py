@@ -38,6 +38,8 @@ class Batch:
 
 def prompt_batch(req: CompletionRequest, tokenizer, vocab: int) -> Batch:
     """The prompts of a completions request, each tokenized (text) or checked against the vocabulary (ids)."""
+    if req.prompt_logprobs is not None:
+        raise bad("prompt_logprobs is not supported: echo with logprobs scores every prompt token", "prompt_logprobs")
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]

@@ -51,6 +51,7 @@ class CompletionRequest(Sampling):
     max_tokens: int | None = Field(None, ge=0)  # 0: nothing generated (with echo and logprobs: the prompt scored)
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension: refused (serve/completions.py), echo + logprobs instead
 
 
 class ChatRequest(Sampling):

@@ -50,6 +50,7 @@ def _cases(model: str):
         ("top_p zero", "/completions", ok | {"top_p": 0}, None, KEY, 400, "greater than 0", "top_p"),
         ("n zero", "/completions", ok | {"n": 0}, None, KEY, 400, "greater", "n"),
         ("logprobs 21", "/completions", ok | {"logprobs": 21}, None, KEY, 400, "less than", "logprobs"),
+        ("prompt_logprobs", "/completions", ok | {"prompt_logprobs": 1}, None, KEY, 400, "echo", "prompt_logprobs"),
         ("batch out of vocab", "/completions", ok | {"prompt": [[3], [9999]]}, None, KEY, 400, "prompt[1]", "prompt"),
         ("empty prompt", "/completions", ok | {"prompt": ""}, None, KEY, 400, "empty", "prompt"),
         ("too long", "/completions", ok | {"max_tokens": CAP}, None, KEY, 400, f"cache.cap={CAP}", "max_tokens"),
