@@ -52,6 +52,8 @@ class JsonTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self._byte_level = _is_byte_level(raw.get("decoder") if isinstance(raw, dict) else None)
         self._table: list[bytes] | None = None
+        # the most characters one token covers: its bytes for byte-level decoders, else its text's
+        self.max_token_chars = max(map(len, self._bytes_table() if self._byte_level else vocab), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
