@@ -181,6 +181,7 @@ class EngineLoop:
         self.metrics.slots_used.set(live)
         self.metrics.waiting.set(len(self.engine.waiting) + self._queued)
         self.metrics.prefix_report(self.engine.prefix.report() if self.engine.prefix else None)
+        self.metrics.memory_report(self.engine.watch)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Every request still in flight (queued, waiting or in a slot) gets `message` instead of its end."""
