@@ -219,16 +219,17 @@ async def drive(args, server: Server, pids: list[int], fixed_words: int | None) 
     await asyncio.gather(sampler(), *(client(m) for m in mixes))
     await asyncio.sleep(2)  # aborted requests leave at the next window
     await asyncio.to_thread(sample)
+    samples[-1]["after"] = True  # the clients are done: plotted, not counted in the growth
     counts = {k: sum(m.counts[k] for m in mixes) for k in mixes[0].counts}
     errors = [e for m in mixes for e in m.errors][:5]
     return {"counts": counts, "errors": errors, "samples": samples}
 
 
 def growth(samples: list[dict], rank: int, less_pool: bool = False) -> float | None:
-    """The resident set at the end over the one at the sample nearest half time, minus 1; `less_pool`: both less the
-    prefix pool's bytes then held (snapshots a rank keeps until the pool is full: planned, counted growth)."""
+    """The resident set at the last sample under traffic over the one nearest half time, minus 1; `less_pool`: both
+    less the prefix pool's bytes then held (snapshots a rank keeps until the pool is full: planned, counted growth)."""
     pool = lambda s: s["metrics"].get("k3dist_prefix_bytes_held", 0) if less_pool else 0  # noqa: E731
-    points = [(s["t"], s["rss"][rank] - pool(s)) for s in samples if s["rss"][rank]]
+    points = [(s["t"], s["rss"][rank] - pool(s)) for s in samples if s["rss"][rank] and not s.get("after")]
     if len(points) < 2:
         return None
     half = min(points, key=lambda p: abs(p[0] - points[-1][0] / 2))
@@ -278,27 +279,23 @@ def one_run(args, spec: str, twin: Path, tmp: Path, bare: int) -> dict:
     finally:
         if stopped is None:
             server.stop()
-    last = out["samples"][-1]["metrics"]
-    ranks = range(len(pids))
+    return derive(out | {"spec": spec, "pids": pids, "stopped": stopped, "left": left}, bare)
+
+
+def derive(run: dict, bare: int) -> dict:
+    """The run's figures from its samples: admitted, worst held, samples past admitted, growth, gauges after."""
+    samples, ranks = run["samples"], range(len(run["pids"]))
+    last = samples[-1]["metrics"]
     admitted = [last.get(f'k3dist_rank_admitted_bytes{{rank="{r}"}}') for r in ranks]
-    worst = [max(s["rss"][r] or 0 for s in out["samples"]) - bare for r in ranks]
-    over = [s["t"] for s in out["samples"] for r in ranks if admitted[r] and (s["rss"][r] or 0) - bare > admitted[r]]
-    after = {k: last.get(f"k3dist_{k}") for k in ("requests_running", "requests_waiting", "slots_used")}
-    return out | {
-        "spec": spec,
-        "world": int(world),
-        "prefix": prefix,
-        "words": fixed_words,
-        "pids": pids,
+    over = [s["t"] for s in samples for r in ranks if admitted[r] and (s["rss"][r] or 0) - bare > admitted[r]]
+    return run | {
         "admitted": admitted,
-        "worst": worst,
+        "worst": [max(s["rss"][r] or 0 for s in samples) - bare for r in ranks],
         "over_at": over,
-        "growth": [growth(out["samples"], r) for r in ranks],
-        "growth_less_pool": [growth(out["samples"], r, less_pool=True) for r in ranks],
+        "growth": [growth(samples, r) for r in ranks],
+        "growth_less_pool": [growth(samples, r, less_pool=True) for r in ranks],
         "pool_held": last.get("k3dist_prefix_bytes_held"),
-        "gauges_after": after,
-        "stopped": stopped,
-        "left": left,
+        "gauges_after": {k: last.get(f"k3dist_{k}") for k in ("requests_running", "requests_waiting", "slots_used")},
     }
 
 
@@ -310,8 +307,13 @@ def plot(run: dict, bare: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in range(len(run["pids"])):
-        ts = [s["t"] / 60 for s in run["samples"] if s["rss"][r]]
-        ax.plot(ts, [s["rss"][r] / MiB for s in run["samples"] if s["rss"][r]], marker=".", label=f"rank {r} RSS")
+        points = [(s["t"] / 60, s["rss"][r], s["metrics"].get("k3dist_prefix_bytes_held", 0)) for s in run["samples"]]
+        points = [p for p in points if p[1]]
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], marker=".", color=f"C{r}", label=f"rank {r} RSS")
+        if run["pool_held"]:
+            ax.plot(
+                [p[0] for p in points], [(p[1] - p[2]) / MiB for p in points], ":", color=f"C{r}", label="less pool"
+            )
         if run["admitted"][r]:
             ax.axhline(
                 (bare + run["admitted"][r]) / MiB, ls="--", color=f"C{r}", lw=1, label=f"rank {r}: bare + admitted"
@@ -350,20 +352,27 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="generate.batch (default 4)")
     ap.add_argument("--cap", type=int, default=2048, help="cache.cap (default 2048)")
     ap.add_argument("--k3dist-args", nargs="*", default=[], help="more overrides for the server")
+    ap.add_argument("--replot", type=Path, help="only the table and plots again, from an earlier run's --json")
     common.add_output_args(ap)
     args = ap.parse_args()
     args.out_md = args.out_md or common.RESULTS / "soak.md"
     started, cores = time.perf_counter(), len(os.sched_getaffinity(0))
     m = common.machine(f"{max(1, cores // max(int(s.split(':')[0]) for s in args.runs))} per rank")
-    twin, tmp, bare = common.twin_dir(), Path(tempfile.mkdtemp(prefix="k3bench-soak-")), common.bare_torch_rss()
+    if args.replot:  # the measurements as they were, on the machine they were made on
+        earlier = json.loads(args.replot.read_text())
+        m, bare, todo = earlier["machine"], earlier["bare"], earlier["runs"]
+        vars(args).update({k: earlier["args"][k] for k in ("runs", "seconds", "clients", "sample_s", "batch", "cap")})
+    else:
+        twin, tmp, bare = common.twin_dir(), Path(tempfile.mkdtemp(prefix="k3bench-soak-")), common.bare_torch_rss()
+        todo = args.runs
     runs = []
-    for spec in args.runs:
+    for spec in todo:
         try:
-            run = one_run(args, spec, twin, tmp, bare)
+            run = derive(spec, bare) if args.replot else one_run(args, spec, twin, tmp, bare)
         except Exception as exc:  # noqa: BLE001 - the other runs still go
             print(f"  {spec}: {common.short_error(exc)}", flush=True)
             continue
-        png = common.RESULTS / ("soak-" + re.sub(r"[^\w.]+", "-", spec) + ".png")
+        png = common.RESULTS / ("soak-" + re.sub(r"[^\w.]+", "-", run["spec"]) + ".png")
         plot(run, bare, png)
         run["png"] = str(png.relative_to(common.ROOT))
         print("  " + " | ".join(row(run)), flush=True)
@@ -379,7 +388,7 @@ def main() -> int:
         "bars: 0 failures, resident set minus the bare interpreter within `admitted` at every sample, growth over "
         f"the last half under {100 * GROWTH_BAR:.0f}%; plots: " + ", ".join(f"`{r['png']}`" for r in runs),
         "errors: " + ("; ".join(e for r in runs for e in r["errors"]) or "none"),
-    ]
+    ] + ([f"re-rendered from {args.replot} (the load average at end is the re-rendering's)"] if args.replot else [])
     data = {"args": vars(args), "bare": bare, "runs": runs}
     common.publish(args, "Soak: a server's memory under mixed traffic", [table], notes, m, data, started)
     ok = len(runs) == len(args.runs) and all(row(r)[-1] == "met" for r in runs)

@@ -122,3 +122,19 @@ def test_memory_stays_flat_and_within_the_plan(soaked):
     for m in (half, end):
         assert 0 < m["resident"] - m["base"] <= m["admitted"], report
         assert abs(m["resident"] - m["proc"]) < m["resident"] / 10, report  # /metrics says what /proc says
+
+
+def test_metrics_show_every_ranks_memory_against_its_plan(server):
+    """Each rank's figures reach /metrics with a window record or a heartbeat (world 2: gathered from rank 1 too)."""
+    deadline, found = time.monotonic() + 15, {}
+    while time.monotonic() < deadline and len(found) < 3 * len(server.pids):
+        text = httpx.get(f"{server.base}/metrics", timeout=30).text
+        found = {
+            (k, int(r)): float(v)
+            for k, r, v in re.findall(r'^k3dist_rank_(\w+)_bytes\{rank="(\d+)"\} (\S+)', text, re.M)
+        }
+        time.sleep(0.2)
+    for rank, pid in enumerate(server.pids):
+        resident, base, admitted = (found[(k, rank)] for k in ("resident", "base", "admitted"))
+        assert 0 < base < resident and resident - base <= admitted, found
+        assert abs(resident - _resident(pid)) < resident / 5, (found, _resident(pid))  # /proc says the same
