@@ -1,5 +1,6 @@
 """A `tokenizer.json` (Hugging Face `tokenizers` format), as some K3 derivatives and conversions ship it."""
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,8 +53,6 @@ class JsonTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self._byte_level = _is_byte_level(raw.get("decoder") if isinstance(raw, dict) else None)
         self._table: list[bytes] | None = None
-        # the most characters one token covers: its bytes for byte-level decoders, else its text's
-        self.max_token_chars = max(map(len, self._bytes_table() if self._byte_level else vocab), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -69,6 +68,12 @@ class JsonTokenizer:
 
     def token_id(self, content: str) -> int | None:
         return self.tokenizer.token_to_id(content)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token covers: its bytes for byte-level decoders, else its own text's."""
+        tokens = self._bytes_table() if self._byte_level else self.tokenizer.get_vocab(with_added_tokens=True)
+        return max(map(len, tokens), default=1)
 
     def _bytes_table(self) -> list[bytes]:
         """id -> bytes as the ByteLevel decoder maps it: byte-alphabet chars to bytes, any other token as UTF-8."""

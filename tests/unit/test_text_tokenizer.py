@@ -140,6 +140,8 @@ def test_tokenizer_json_encodes_and_decodes_like_tokenizers(tmp_path):
             )
     assert tok.special_ids == {"<|im_end|>": 0, "[EOS]": 1}
     assert tok.eos_ids == (0,) and tok.vocab_size == bpe.get_vocab_size()
+    longest = max(len(tok.decode_bytes([i])) for i in range(tok.vocab_size))  # a token's bytes, specials' text
+    assert tok.backend.max_token_chars == longest
     assert set(byte_level_chars()) == set(pre_tokenizers.ByteLevel.alphabet())
 
 
