@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from k3dist.base import signals, threads
+from k3dist.base import allocator, signals, threads
 from k3dist.base.errors import K3Error
 
 QUIET_RANK_OVERRIDES = [
@@ -156,6 +156,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     threads.configure_openmp()  # before torch loads libgomp; spawned ranks inherit it, torchrun's workers run this
+    allocator.configure_caches()  # before the first GEMM, likewise
     signals.as_launcher(announce=rank_zero())  # before torch is imported: one line at any point, no traceback
     if not rank_zero():
         sys.argv += QUIET_RANK_OVERRIDES

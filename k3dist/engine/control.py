@@ -2,10 +2,10 @@
 
 Each window rank 0 sends every other rank one small record over the gloo control group: the requests admitted into
 slots (prompt ids and sampling settings), the slots whose requests ended, how many decode steps to run, and at the
-end a shutdown. Every rank applies the same records in the same order, so all keep the same slot table and run the
-same steps; generated ids never travel (sampling is identical on every rank). An idle rank 0 sends an empty record
-every `heartbeat_s`, so a follower waiting for the next one is never left in a collective that times out, however
-long the server idles.
+end a shutdown; now and then a record asks every rank for the memory it holds (watch.py). Every rank applies the
+same records in the same order, so all keep the same slot table and run the same steps; generated ids never travel
+(sampling is identical on every rank). An idle rank 0 sends an empty record every `heartbeat_s`, so a follower
+waiting for the next one is never left in a collective that times out, however long the server idles.
 """
 
 import json
@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..base import allocator
 from ..base.dist import Runtime
 from ..base.errors import K3Error
+from ..weights.memory import resident_bytes
 from .sampling import GREEDY, SamplingMode
 
 log = logging.getLogger("k3dist")
@@ -51,6 +53,7 @@ class Window:
     active: int | None = None  # eager steps: the slots stepped (every live one is below it)
     mode: SamplingMode = GREEDY  # the least sampling mode covering the live slots
     top: int = 5  # top logits the window's emits gather (step.py's TOP, or more when a live slot asks for more)
+    report: bool = False  # after the window every rank reports the memory it holds (watch.py)
     stop: int | None = None  # shutdown: every rank leaves its loop (the exit code, 0 for a normal end)
 
     def to_json(self) -> bytes:
@@ -89,6 +92,18 @@ class Channel:
         data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, 0, group=self.rt.ctrl)
         return Window.from_json(data.numpy().tobytes())
+
+    def gather_memory(self, device: torch.device) -> list[list[int]]:
+        """After a report window, on every rank: give back free heap pages, then every rank's (resident, base) to
+        all (rank 0 keeps them; the others' copy is 16 bytes a rank)."""
+        if device.type == "cpu":
+            allocator.trim()
+        mine = torch.tensor(resident_bytes(device), dtype=torch.int64)
+        if self.world == 1:
+            return [mine.tolist()]
+        figures = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(figures, mine, group=self.rt.ctrl)
+        return [f.tolist() for f in figures]
 
     def compare(self, window: Window, out_tokens: torch.Tensor) -> None:
         """With dist.check_tokens, after every window that ran anything: every rank's generated ids must equal rank

@@ -10,7 +10,7 @@ there. The offline run and the server drive this same engine; the other ranks on
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..base.errors import K3Error
 from .control import Admit, Channel, Window
@@ -19,6 +19,7 @@ from .requests import Completion, Event, Prompt
 from .runner import Runner, prefills_together
 from .sampling import SamplingMode
 from .step import TOP
+from .watch import MemoryWatch
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
 
@@ -42,10 +43,12 @@ class Engine:
         eos_ids: tuple[int, ...] = (),
         make_assembler: Callable | None = None,
         prefix: PrefixIndex | None = None,
+        watch: MemoryWatch | None = None,
     ):
-        """`prefix`: the index of prefix snapshots (None: no reuse)."""
+        """`prefix`: the index of prefix snapshots (None: no reuse); `watch`: every rank's memory against its plan,
+        reported with a window now and then (a server's)."""
         self.runner, self.channel, self.step_fn = runner, channel, runner.step
-        self.cache, self.prefix = runner.cache, prefix
+        self.cache, self.prefix, self.watch = runner.cache, prefix, watch
         self.sync_every, self.eos, self.make_assembler = sync_every, set(eos_ids), make_assembler
         # admissions per window: all free slots where they prefill together, else one, so each first token is out
         # after its own prefill rather than after every prefill of a burst
@@ -88,16 +91,27 @@ class Engine:
     def step(self) -> list[Event]:
         """One window: schedule, run on every rank, postprocess. Returns what happened to each request."""
         events, self.done = self.done, []
-        window = self._schedule(events)
+        window = self._reporting(self._schedule(events))
         self.channel.send(window)
         self.runner.run(window)
         self.timings.decode_tokens += window.steps * len(self.live)
         self.channel.compare(window, self.step_fn.out_tokens)
+        self._report(window)
         return events + self._postprocess(window)
 
     def heartbeat(self) -> None:
         """Idle: an empty record, so the other ranks' wait for the next one never times out."""
-        self.channel.send(Window())
+        window = self._reporting(Window())
+        self.channel.send(window)
+        self._report(window)
+
+    def _reporting(self, window: Window) -> Window:
+        """The window, asking every rank for its memory when a report is due."""
+        return replace(window, report=True) if self.watch is not None and self.watch.due() else window
+
+    def _report(self, window: Window) -> None:
+        if window.report:
+            self.watch.record(self.channel.gather_memory(self.runner.device))
 
     def shutdown(self, code: int = 0) -> None:
         """Every other rank leaves its loop (and exits with `code` when it is not 0)."""
@@ -277,3 +291,5 @@ def follow(runner: Runner, channel: Channel) -> int:
             return window.stop
         runner.run(window)
         channel.compare(window, runner.step.out_tokens)
+        if window.report:
+            channel.gather_memory(runner.device)

@@ -7,6 +7,7 @@ steps on its own shard and the collectives inside them pair up. Nothing here rea
 """
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -26,12 +27,15 @@ def prefills_together(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+WINDOWS_TIMED = 100_000  # step_ms's percentiles cover the latest this many windows (a server's run has no end)
+
+
 @dataclass
 class Timings:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens: int = 0  # tokens live slots produced in decode steps (counted by rank 0's engine)
-    window_step_seconds: list[float] = field(default_factory=list)  # per window: its time / its steps
+    window_step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOWS_TIMED))  # time / steps
 
     def step_ms(self) -> dict:
         ms = sorted(s * 1e3 for s in self.window_step_seconds)

@@ -13,12 +13,16 @@ Terms (each an upper bound of what is alive at once, in bytes):
 - scoring (a server): one block of logits of prompt positions being scored, the gathers of its top-k, and the
   scored positions of the prompts a window admits (engine/prompt_logprobs.py);
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
-- cpu: an allowance for what the libraries allocate on first use during generation (oneDNN kernels, pools) plus
-  a measured growth per prompt token of the batch (allocator fragmentation over long prefills).
+- cpu: an allowance for what the libraries allocate on first use during generation (pools, code paged in) plus
+  a measured growth per prompt token of the batch (allocator fragmentation over long prefills);
+- kernels (cpu): the GEMM primitives the libraries keep, one per (row count, weight shape) the run has met, at most
+  the caches' cap (base/allocator.py): a server meets every row count, so the cap is what it holds;
+- front: rank 0 of a server, the HTTP side (FastAPI, uvicorn, pydantic, their threads and the requests in flight).
 """
 
 from dataclasses import asdict, dataclass
 
+from ..base.allocator import PRIMITIVE_BYTES, cached_primitives
 from ..config import ModelConfig
 from ..model.mla import KEY_BLOCK
 from .prompt_logprobs import SCORE_ROWS
@@ -27,8 +31,9 @@ from .step import TOP, WIDEST
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
-HOST_ALLOWANCE = 20 * MiB  # what CPU libraries allocate on first use during generation (see docs/memory.md)
+HOST_ALLOWANCE = 4 * MiB  # what CPU libraries allocate on first use during generation (see docs/memory.md)
 HOST_PER_PROMPT_TOKEN = 512  # and what the allocator keeps growing by over long prefills, per prompt token of the batch
+FRONT = 32 * MiB  # a server's HTTP side on rank 0: 18 MiB of its libraries measured, their threads and requests
 KDA_CHUNK = 16  # kernels/kda.py's chunk length
 
 
@@ -39,10 +44,12 @@ class RuntimeMemory:
     outputs: int
     device: int  # cuda: graph pool + workspace; cpu: host allowance
     scoring: int = 0  # prompt log-probabilities (a server)
+    kernels: int = 0  # cpu: GEMM primitives the libraries keep
+    front: int = 0  # rank 0 of a server: the HTTP side
 
     @property
     def total(self) -> int:
-        return self.prefill + self.logits + self.outputs + self.device + self.scoring
+        return self.prefill + self.logits + self.outputs + self.device + self.scoring + self.kernels + self.front
 
     def as_dict(self) -> dict:
         return asdict(self) | {"total": self.total}
@@ -100,10 +107,11 @@ def runtime_memory(
     graphs: int = 1,
     top: int = TOP,
     scoring: bool = False,
+    front: bool = False,
 ) -> RuntimeMemory:
     """`out_len`: tokens each slot's output buffers hold (cache.cap); `graphs`: CUDA graphs captured (one per
     sampling mode the run may need); `top`: the output buffers' top-k width; `scoring`: whether prompts may be
-    scored (a server)."""
+    scored (a server); `front`: this rank serves HTTP (rank 0 of a server)."""
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
@@ -121,4 +129,5 @@ def runtime_memory(
         device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
-    return RuntimeMemory(prefill, logits, outputs, device, score)
+    kernels = 0 if device_type == "cuda" else cached_primitives() * PRIMITIVE_BYTES
+    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0)

@@ -15,12 +15,15 @@ from ..settings import Settings
 class TextTools:
     """The checkpoint's tokenizer and chat template, loaded only when text is involved."""
 
-    def __init__(self, model_dir: Path, cfg_raw: dict | None = None):
+    def __init__(self, model_dir: Path, cfg_raw: dict | None = None, cap: int | None = None):
+        """`cap`: cache.cap, when prompts are for slots: texts and renders longer than it could hold are refused."""
         from ..text.chat import load_chat_template
         from ..text.tokenizer import load_tokenizer
 
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir, cfg_raw)
+        if self.tokenizer is not None and cap is not None:
+            self.tokenizer.hold(cap)
         self.template = load_chat_template(model_dir)
 
     def need_tokenizer(self, what: str):
@@ -35,7 +38,8 @@ class TextTools:
         if self.template is None:
             raise K3Error(f"{what} asks for the chat format, but {self.model_dir} has no chat template")
         text, source = self.template
-        return tok.encode(render_chat(text, source, messages, tools, **tok.named_tokens))
+        limit = {} if tok.max_chars is None else {"max_chars": tok.max_chars}  # a render past it fails at once
+        return tok.encode(render_chat(text, source, messages, tools, **limit, **tok.named_tokens))
 
 
 def _messages(text: str, system: str | None) -> list[dict]:

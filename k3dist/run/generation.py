@@ -17,6 +17,7 @@ from ..engine.prefix import PrefixIndex
 from ..engine.runner import Runner
 from ..engine.snapshots import SnapshotStore, snapshot_bytes
 from ..engine.step import TOP, WIDEST, DecodeStep
+from ..engine.watch import MemoryWatch
 from ..kernels.backend import select
 from ..model.build import build_model
 from ..model.cache import HybridCache, cache_shapes
@@ -57,10 +58,23 @@ def _drain_from_follower(limit_s: float, signum: int) -> None:
 
 
 def generate(
-    s: Settings, rt: dist.Runtime, cfg, weights, dtype, modes, kind, pack, text, prompts, listener, model_dir, reuse
+    s: Settings,
+    rt: dist.Runtime,
+    cfg,
+    weights,
+    dtype,
+    modes,
+    kind,
+    pack,
+    text,
+    prompts,
+    listener,
+    model_dir,
+    reuse,
+    admitted: list[int],
 ):
     """`text`, `prompts`: rank 0's (the tokenizer; the offline requests); `listener`: the server's socket; `reuse`:
-    whether prefix snapshots are on."""
+    whether prefix snapshots are on; `admitted`: every rank's plan (a server watches its ranks against it)."""
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
@@ -90,7 +104,10 @@ def generate(
         return facts | {"runtime_measured": {"held_before_generate": held, "runtime_peak_bytes": peak}}
     tokenizer = text.tokenizer if text else None
     prefix = prefix_index(s, cfg, rt.world, dtype) if reuse else None
-    engine = Engine(runner, channel, s.decode.sync_every, eos_ids(cfg, tokenizer), text_assembler(tokenizer), prefix)
+    watch = MemoryWatch(admitted) if s.run.mode == "serve" else None
+    engine = Engine(
+        runner, channel, s.decode.sync_every, eos_ids(cfg, tokenizer), text_assembler(tokenizer), prefix, watch
+    )
     if s.run.mode == "serve":
         from ..serve.server import serve
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ..base import dist, signals, threads
+from ..base import allocator, dist, signals, threads
 from ..base.errors import K3Error
 from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
@@ -36,7 +36,7 @@ from ..settings import Settings, parse
 from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
-from ..weights.memory import detect_free, peak_bytes, return_freed_memory
+from ..weights.memory import detect_free, mark_base, peak_bytes
 from ..weights.quant_plan import int8_terms
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
@@ -69,13 +69,14 @@ def model_config(s: Settings) -> ModelConfig:
 
 def run_rank(job: dict) -> dict | None:
     """Everything one rank does; returns the result on rank 0 (also written to result.json)."""
+    mark_base()  # the bare process, before anything of the run: what `admitted` does not count
     s = parse(job)
     rt = dist.init(s.dist.backend, s.dist.device, s.dist.timeout_s, s.dist.collective_timeout_s)
     setup_logging(rt.rank)
     staged("outputs", rt, lambda: check_targets(s) if rt.is_main else None)  # not after a whole generation
     if rt.device.type == "cpu":  # ranks sharing a host split its cores instead of oversubscribing them
         torch.set_num_threads(len(threads.pin_rank(rt.local_rank, rt.local_world)) or 1)
-        return_freed_memory()
+        allocator.limit_heap()
     result = plan_only(s, rt) if s.run.mode == "plan" else load_and_generate(s, rt)
     memory = dist.exchange(measured_memory(rt.device, result.pop("runtime_measured", None)), rt)
     if rt.is_main:
@@ -102,12 +103,15 @@ def reserve_of(s: Settings, device: torch.device) -> int:
     return s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
 
 
-def runtime_of(s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, modes, dense=False):
+def runtime_of(
+    s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, modes, dense=False, front=False
+):
     """runtime_bytes for prompts of up to `longest` tokens, sampling `modes`, outputs of a whole cache row (a
-    server's 20 log-probabilities wide, and its prompts scored)."""
+    server's 20 log-probabilities wide, and its prompts scored); `front`: this rank serves HTTP."""
     g, sample, serving = s.generate, any(m.sample for m in modes), s.run.mode == "serve"
     args = (cfg, world, g.batch, longest, g.prefill_chunk, s.cache.cap, sample, dtype.itemsize, device_type, dense)
-    return runtime_memory(*args, graphs=len(modes), top=WIDEST if serving else TOP, scoring=serving)
+    top = WIDEST if serving else TOP
+    return runtime_memory(*args, graphs=len(modes), top=top, scoring=serving, front=front)
 
 
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
@@ -157,12 +161,12 @@ def _text_tools(s: Settings, model_dir: Path) -> TextTools | None:
         or g.chat
         or any((model_dir / f).is_file() for f in files)
     ):
-        return TextTools(model_dir)
+        return TextTools(model_dir, cap=s.cache.cap)
     return None
 
 
-def serving_text(model_dir: Path) -> TextTools:
-    text = TextTools(model_dir)
+def serving_text(model_dir: Path, cap: int) -> TextTools:
+    text = TextTools(model_dir, cap=cap)
     if text.tokenizer is None:
         raise K3Error(
             f"run.mode=serve needs the checkpoint's tokenizer, and {model_dir} has none (tiktoken.model or "
@@ -182,7 +186,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))
         prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
     elif serving:  # the server's text and socket live on rank 0 only; a taken port is refused before the load
-        text = staged("tokenizer", rt, lambda: serving_text(model_dir) if rt.is_main else None)
+        text = staged("tokenizer", rt, lambda: serving_text(model_dir, s.cache.cap) if rt.is_main else None)
         listener = staged("serve", rt, lambda: listen(s.serve.host, s.serve.port) if rt.is_main else None)
     # what the run may need: a server any sampling mode, every slot up to cache.cap tokens
     modes = ALL_MODES if serving else (SamplingMode.covering(p.mode for p in prompts),)
@@ -192,7 +196,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     kind = capture_kind(s.decode.compile, rt.device)  # every rank alike, before anything is loaded
     pack = s.run.mode in ("generate", "serve") and kind == "eager" and packable(dtype, rt.device)
     dense = experts_dense(cfg, s.generate.batch, pack, select(s.kernels.backend, rt.device))  # as build_model will
-    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense)
+    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense, serving and rt.is_main)
     reuse = s.run.mode != "load" and s.prefix.on(s.run.mode, s.generate.prompts is not None)
     pool = (s.prefix.bytes + (s.prefix.host_bytes if rt.device.type == "cpu" else 0)) if reuse else 0
     store = load_weights(
@@ -219,6 +223,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     if s.run.mode == "load":
         return result
     front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir, "reuse": reuse}
+    front["admitted"] = [p["admitted"] for p in store.all_memory]
     return result | generate(s, rt, cfg, store.tensors, dtype, modes, kind, pack, **front)
 
 

@@ -183,6 +183,7 @@ class EngineLoop:
         self.metrics.prefix_report(self.engine.prefix.report() if self.engine.prefix else None)
         self.metrics.prefill_seconds.set(self.engine.timings.prefill_seconds)
         self.metrics.decode_seconds.set(self.engine.timings.decode_seconds)
+        self.metrics.memory_report(self.engine.watch)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Every request still in flight (queued, waiting or in a slot) gets `message` instead of its end."""

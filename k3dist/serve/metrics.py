@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (GET /metrics), in a registry of its own: requests running and waiting, slots in
 use, prompt and generation tokens, time to first token, inter-token latency and end-to-end latency, the seconds spent
-in prefill and in decode, and the prefix snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate."""
+in prefill and in decode, the prefix snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate, and
+each rank's memory against its plan (engine/watch.py: alert when `resident - base` nears `admitted`)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,6 +32,19 @@ class Metrics:
 
         prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "evictions", "demotions", "hit_rate")
         self.prefix = {k: Gauge(f"k3dist_prefix_{k}", f"Prefix snapshots: {k}", registry=r) for k in prefix}
+
+        memory = {
+            "resident": "What the rank holds: its resident set (CPU) or its allocator's reserved bytes (CUDA)",
+            "base": "The rank's bare process (interpreter and libraries), which admitted does not count",
+            "admitted": "What the memory plan admitted for the rank; resident - base stays below it",
+        }
+        self.memory = {k: Gauge(f"k3dist_rank_{k}_bytes", h, ["rank"], registry=r) for k, h in memory.items()}
+
+    def memory_report(self, watch) -> None:
+        """Every rank's last reported memory (engine/watch.py), when the engine watches it."""
+        for rank, m in enumerate(watch.ranks if watch else ()):
+            for key, value in (("resident", m.resident), ("base", m.base), ("admitted", m.admitted)):
+                self.memory[key].labels(str(rank)).set(value)
 
     def prefix_report(self, report: dict | None) -> None:
         for key, gauge in self.prefix.items():

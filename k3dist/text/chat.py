@@ -1,15 +1,15 @@
 """Chat templates: the checkpoint's own template, rendered in a sandbox set up the way transformers sets up its own.
 
-The template is untrusted code from the model dir, so it runs in Jinja's immutable sandbox, sees only plain JSON
-data, and every way it can fail (syntax, `raise_exception`, undefined names, type errors) is one K3Error line naming
-the template's file and line. The environment offers what chat templates written for transformers rely on:
+The template is untrusted code from the model dir, so it runs in Jinja's immutable sandbox, bounded in time and in
+the size of what it builds (sandbox.py), sees only plain JSON data, and every way it can fail (syntax,
+`raise_exception`, undefined names, type errors, a render too long or too large) is one K3Error line naming the
+template's file and line. The environment offers what chat templates written for transformers rely on:
 trim_blocks/lstrip_blocks, loop controls, `{% generation %}`, a `tojson` that keeps non-ASCII text and takes
 indent/separators/sort_keys, `raise_exception`, `strftime_now`, `dict` and an underscore-refusing `namespace`.
 """
 
 import json
 import re
-import threading
 import time
 from datetime import datetime
 from functools import lru_cache
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from ..base.errors import K3Error
 from .files import optional_file, read_json_object, read_text
+from .sandbox import BoundedSandbox, RenderTooLarge, limits
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -29,6 +29,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the one chat templates read
 RENDER_LIMIT_S = 10.0  # a chat render that takes longer is stopped
+RENDER_MAX_CHARS = 2**24  # what a render may build where the caller names no bound (it names the prompt's)
 
 
 def load_chat_template(model_dir: str | Path) -> tuple[str, str] | None:
@@ -57,12 +58,14 @@ def render_chat(
     tools: list | None = None,
     add_generation_prompt: bool = True,
     time_limit_s: float = RENDER_LIMIT_S,
+    max_chars: int = RENDER_MAX_CHARS,
     **special,
 ) -> str:
     """The prompt text for `messages`, as transformers' apply_chat_template(..., tokenize=False) renders it.
 
     `special` holds the template variables transformers passes from the tokenizer (bos_token, eos_token, ...).
-    Rendering stops with an error after `time_limit_s` (a template looping over hostile input never hangs a rank).
+    Rendering stops with an error after `time_limit_s` (a template looping over hostile input never hangs a rank)
+    or once it would build more than `max_chars` characters, in any value or in its output (sandbox.py).
     """
     if problem := messages_problem(messages):
         raise K3Error(f"chat messages: {problem}")
@@ -74,20 +77,21 @@ def render_chat(
         raise K3Error(f"chat messages, tools and template variables must be plain JSON data ({exc})") from None
     chat = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in data["messages"]]
     compiled = _compile(template, source)
-    _deadline.at = time.monotonic() + time_limit_s
+    limits.at, limits.chars = time.monotonic() + time_limit_s, max_chars
     try:
-        return compiled.render(
-            messages=chat,
-            tools=data["tools"],
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **data["special"],
-        )
+        args = dict(messages=chat, tools=data["tools"], documents=None, add_generation_prompt=add_generation_prompt)
+        out, size = [], 0
+        for piece in compiled.generate(**args, **data["special"]):
+            size += len(piece)
+            if size > max_chars:
+                raise RenderTooLarge(f"the rendered prompt passes {max_chars} characters, the most a prompt may have")
+            out.append(piece)
+        return "".join(out)
     except Exception as exc:  # anything the template does wrong is the template's error, reported in one line
         cause = exc.message if isinstance(exc, jinja2.TemplateError) and exc.message else f"{type(exc).__name__}: {exc}"
         raise K3Error(f"{_where(source, _template_line(exc))} chat template failed: {cause}") from None
     finally:
-        _deadline.at = None
+        limits.at = limits.chars = None
 
 
 def _with_reasoning_aliases(message: dict) -> dict:
@@ -211,35 +215,10 @@ def _strftime_now(format):
     return datetime.now().strftime(format)
 
 
-_deadline = threading.local()  # when the render running in this thread must stop (None: no render)
-
-
-class _TimedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, checking the render's deadline at every call, attribute and item a template reaches for: a loop
-    doing anything at all passes here (and the sandbox's range() is bounded), so no render outlives its limit."""
-
-    def _check(self):
-        at = getattr(_deadline, "at", None)
-        if at is not None and time.monotonic() > at:
-            raise jinja2.exceptions.TemplateRuntimeError("rendering took longer than its time limit")
-
-    def call(self, *args, **kwargs):
-        self._check()
-        return super().call(*args, **kwargs)
-
-    def getattr(self, obj, attribute):
-        self._check()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj, argument):
-        self._check()
-        return super().getitem(obj, argument)
-
-
 @lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _TimedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
-    env.filters["tojson"] = _tojson
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.add_filter("tojson", _tojson)
     env.globals |= {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
     env.globals |= {"dict": _Dict(), "namespace": _Namespace}
     return env

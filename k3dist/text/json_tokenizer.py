@@ -1,5 +1,6 @@
 """A `tokenizer.json` (Hugging Face `tokenizers` format), as some K3 derivatives and conversions ship it."""
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,12 @@ class JsonTokenizer:
 
     def token_id(self, content: str) -> int | None:
         return self.tokenizer.token_to_id(content)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token covers: its bytes for byte-level decoders, else its own text's."""
+        tokens = self._bytes_table() if self._byte_level else self.tokenizer.get_vocab(with_added_tokens=True)
+        return max(map(len, tokens), default=1)
 
     def _bytes_table(self) -> list[bytes]:
         """id -> bytes as the ByteLevel decoder maps it: byte-alphabet chars to bytes, any other token as UTF-8."""

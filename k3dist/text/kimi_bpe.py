@@ -116,6 +116,7 @@ class KimiTiktoken:
             name=f"kimi:{ranks_path}", pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=self.special_ids
         )
         self.vocab_size = self.encoding.max_token_value + 1
+        self.max_token_chars = max(max(map(len, ranks), default=1), max(map(len, self.special_ids), default=1))
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []

@@ -24,6 +24,8 @@ class Backend(Protocol):
     special_ids: dict[str, int]
     vocab_size: int
 
+    max_token_chars: int  # the most characters of text one token covers
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
@@ -46,6 +48,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.named_tokens = named_tokens  # bos_token/eos_token/... -> text, the variables chat templates expect
         self.source = source
+        self.cap: int | None = None  # the cache.cap prompts are for (`hold`): longer texts are refused untokenized
 
     @property
     def special_ids(self) -> dict[str, int]:
@@ -56,7 +59,22 @@ class Tokenizer:
         """Highest id + 1."""
         return self.backend.vocab_size
 
+    def hold(self, cap: int) -> None:
+        """Prompts are for slots of `cap` tokens: from now on a text that could never fit is refused before it is
+        tokenized (tokenizing megabytes takes seconds of a server's CPU, gigabytes minutes)."""
+        self.cap = cap
+
+    @property
+    def max_chars(self) -> int | None:
+        """The longest text `cap` tokens could cover (None: no cap set): no token covers more than max_token_chars."""
+        return None if self.cap is None else self.cap * self.backend.max_token_chars
+
     def encode(self, text: str) -> list[int]:
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise K3Error(
+                f"the prompt text has {len(text)} characters: more than cache.cap={self.cap} tokens of at most "
+                f"{self.backend.max_token_chars} characters each could hold ({self.max_chars})"
+            )
         return self.backend.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -1,6 +1,5 @@
 """Per-rank memory plan (docs/memory.md) and free-memory detection (CUDA, or cgroup-aware host RAM)."""
 
-import ctypes
 import os
 import resource
 from dataclasses import asdict, dataclass
@@ -198,17 +197,19 @@ def window_peak(device: torch.device) -> int:
     return _status_bytes("VmHWM:") or peak_bytes(device)
 
 
-def return_freed_memory() -> None:
-    """CPU ranks: make glibc give large freed blocks back to the system at once.
+_BASE = 0  # this process's resident set before the run held anything (mark_base)
 
-    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and keeps freed heap memory
-    resident, so a process's RSS stays near its highest transient: the memory plan could not mean what it says. A
-    fixed 4 MiB threshold sends every larger tensor through mmap/munmap, so prefill activations leave with their
-    chunk. No-op off glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 8 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+
+def mark_base() -> None:
+    """Note the resident set of the bare process (interpreter, torch and k3dist imported), which the plan's
+    `admitted` does not count: what a rank holds for the run is its resident set minus this."""
+    global _BASE
+    _BASE = _status_bytes("VmRSS:")
+
+
+def resident_bytes(device: torch.device) -> tuple[int, int]:
+    """(what this rank holds now, its bare process): the resident set and mark_base's figure on a CPU, the caching
+    allocator's reserved bytes and 0 on CUDA (the device holds nothing before the run)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device), 0
+    return _status_bytes("VmRSS:"), _BASE

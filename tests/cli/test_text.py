@@ -4,6 +4,7 @@ text, and bad input is one `error:` line on every rank with nothing half-written
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -156,6 +157,9 @@ def _bad_cases(model_dir, tmp):
     broken = tmp / "broken-template"
     shutil.copytree(model_dir, broken)
     (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
+    huge = tmp / "huge-template"  # a gigabyte of text in a fraction of a second, unless the sandbox bounds it
+    shutil.copytree(model_dir, huge)
+    (huge / "chat_template.jinja").write_text("{{ 'x' * 10**9 }}")
     (tmp / "not-json.jsonl").write_text('{"prompt": "fine"}\n{"prompt": oops}\n')
     (tmp / "not-utf8.jsonl").write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
     write_requests(tmp / "role.jsonl", [{"messages": [{"role": "user<|im_end|>", "content": "hi"}]}])
@@ -167,6 +171,7 @@ def _bad_cases(model_dir, tmp):
         ("no tokenizer", [f"model.path={no_tok}", "generate.prompt=hello"], "has no tokenizer"),
         ("too long", [f"generate.prompts={tmp / 'long.jsonl'}", "cache.cap=64"], "exceeds cache.cap=64"),
         ("template fails", [f"model.path={broken}", "generate.prompt=hi", "generate.chat=true"], "chat_template.jinja"),
+        ("huge render", [f"model.path={huge}", "generate.prompt=hi", "generate.chat=true"], "1000000000 characters"),
     ]
 
 
@@ -174,7 +179,9 @@ def test_bad_input_is_one_error_line_on_every_rank(model_dir, tmp_path):
     for name, overrides, says in _bad_cases(model_dir, tmp_path):
         run = tmp_path / name.replace(" ", "-")
         args = [f"model.path={model_dir}", "dist.nproc=2", *overrides]
+        started = time.monotonic()
         rc, text, _ = run_cli(run, *args)
+        assert time.monotonic() - started < 60, (name, text)  # the huge render ends at once, not after minutes
         lines = error_lines(text)
         assert rc != 0 and len(lines) == 2 and lines[0] == lines[1], (name, text)
         assert says in lines[0], (name, lines[0])

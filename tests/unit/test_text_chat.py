@@ -169,3 +169,30 @@ def test_a_render_that_runs_too_long_is_stopped():
         render_chat(slow, "t.jinja", SYSTEM, time_limit_s=0.3)
     assert time.monotonic() - start < 3
     assert render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM).endswith("<|im_assistant|>assistant<|im_middle|>")
+
+
+@pytest.mark.parametrize(
+    "template, says",
+    [
+        ("{{ 'x' * 10**9 }}", "'\\*' would build about 1000000000 characters"),
+        ("{% set s = 'x' * 1000 %}{{ [s] * 10000 }}", "'\\*' would build about 100"),
+        ("{{ 7 ** 100000 }}", "'\\*\\*' would make an integer"),
+        ("{{ 'x' | center(10**9) }}", "the 'center' filter was given 1000000000"),
+        ("{{ 'x'.ljust(10**9) }}", "calling ljust was given 1000000000"),
+        ("{{ messages | tojson(indent=10**9) }}", "the 'tojson' filter was given 1000000000"),
+        ("{{ '%0999999999d' % 1 }}", "'%' was given 999999999"),
+        ("{{ '{:>999999999}'.format(1) }}", "calling format was given 999999999"),
+        ("{{ ('x' * 1000) | replace('x', 'y' * 10000) }}", "the 'replace' filter would build"),
+        ("{{ range(100000) | map('string') | map('center', 100) | join }}", "the 'join' filter would build"),
+        ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "'~'"),
+        ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "the rendered prompt passes 1048576 characters"),
+    ],
+)
+def test_a_render_is_bounded_in_size(template, says):
+    """What a template builds is bounded like its time: each of these would take a gigabyte or more (or minutes),
+    and each ends at once with one line instead."""
+    start = time.monotonic()
+    with pytest.raises(K3Error, match=rf"^t.jinja:(1:)? chat template failed: {says}"):
+        render_chat(template, "t.jinja", SYSTEM, max_chars=2**20)
+    assert time.monotonic() - start < 2
+    assert render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM, max_chars=2**10).endswith("<|im_middle|>")

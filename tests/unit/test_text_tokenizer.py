@@ -140,6 +140,8 @@ def test_tokenizer_json_encodes_and_decodes_like_tokenizers(tmp_path):
             )
     assert tok.special_ids == {"<|im_end|>": 0, "[EOS]": 1}
     assert tok.eos_ids == (0,) and tok.vocab_size == bpe.get_vocab_size()
+    longest = max(len(tok.decode_bytes([i])) for i in range(tok.vocab_size))  # a token's bytes, specials' text
+    assert tok.backend.max_token_chars == longest
     assert set(byte_level_chars()) == set(pre_tokenizers.ByteLevel.alphabet())
 
 
@@ -211,3 +213,15 @@ def test_files_outside_the_model_dir_are_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere" / "tiktoken.model", tmp_path / "m" / "tiktoken.model")
     with pytest.raises(K3Error, match="outside the model dir"):
         load_tokenizer(tmp_path / "m")
+
+
+def test_a_text_no_slot_could_hold_is_refused_untokenized(kimi):
+    """Held to slots of 8 tokens, a text longer than 8 of the longest tokens is refused before any tokenizing; one
+    that long still tokenizes (and is then refused for its token count, not here)."""
+    tok, _, ranks = kimi
+    longest = max(max(map(len, ranks)), max(map(len, tok.special_ids)))
+    assert tok.backend.max_token_chars == longest and tok.max_chars is None
+    tok.hold(8)
+    assert tok.max_chars == 8 * longest and tok.encode("a" * tok.max_chars)
+    with pytest.raises(K3Error, match=rf"has {8 * longest + 1} characters: more than cache.cap=8 tokens of at most"):
+        tok.encode("a" * (8 * longest + 1))

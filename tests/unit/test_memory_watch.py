@@ -1,0 +1,35 @@
+"""What a server watches and counts of its ranks' memory: a report when one is due, a rank past its plan logged once,
+and the GEMM caches' cap in the plan whatever sets it."""
+
+import logging
+
+from k3dist.base import allocator
+from k3dist.engine.watch import OVER, MemoryWatch
+
+MiB = 2**20
+
+
+def test_reports_when_due_and_logs_a_rank_over_its_plan_once(caplog):
+    now = [0.0]
+    watch = MemoryWatch([100 * MiB, 100 * MiB], every_s=5, clock=lambda: now[0])
+    assert watch.due()
+    with caplog.at_level(logging.WARNING, logger="k3dist"):
+        watch.record([[300 * MiB, 200 * MiB], [300 * MiB, 190 * MiB]])  # rank 1 holds 110 MiB: within the margin
+        assert not watch.due() and [r.held for r in watch.ranks] == [100 * MiB, 110 * MiB]
+        now[0] = 5.0
+        assert watch.due()
+        over = int(100 * MiB * (1 + OVER)) + 1
+        watch.record([[200 * MiB + over, 200 * MiB], [300 * MiB, 190 * MiB]])
+        watch.record([[200 * MiB + 2 * over, 200 * MiB], [300 * MiB, 190 * MiB]])  # still over: no second line
+    lines = [r.getMessage() for r in caplog.records if "k3_memory_over" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("k3_memory_over rank=0 held=110.0 MiB admitted=100.0 MiB"), lines
+
+
+def test_the_caches_are_capped_unless_the_user_chose():
+    env = {}
+    assert allocator.configure_caches(env) == {name: str(allocator.CACHED_PRIMITIVES) for name in allocator.CACHES}
+    assert allocator.cached_primitives(env) == allocator.CACHED_PRIMITIVES
+    mine = {"LRU_CACHE_CAPACITY": "200"}
+    assert allocator.configure_caches(mine) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(allocator.CACHED_PRIMITIVES)}
+    assert allocator.cached_primitives(mine) == 200  # the plan counts what the user set
+    assert allocator.cached_primitives({}) == 1024  # the libraries' own default, where nothing is set
