@@ -4,16 +4,19 @@
 window (at most `decode.sync_every` steps, fewer when a slot reaches its budget sooner); the window goes to every
 rank (control.py) and every rank runs it (runner.py); postprocess reads the new tokens once, ends sequences at an eos
 id, a stop string or their budget, and frees their slots for the next window. The host looks at the device only
-there. The offline run and the server drive this same engine; the other ranks only follow its records.
+there. The offline run and the server drive this same engine; the other ranks only follow its records. Requests
+under a grammar also have their matchers advanced there, and their next masks go out with the next window
+(grammar.py).
 """
 
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..base.errors import K3Error
 from .control import Admit, Channel, Window
+from .grammar import Masks
 from .prefix import Moves, PrefixIndex
 from .requests import Completion, Event, Prompt
 from .runner import Runner, prefills_together
@@ -55,6 +58,7 @@ class Engine:
         self.free = list(range(self.cache.batch))
         self.ended: list[int] = []  # slots freed since the last window, told to every rank with the next one
         self.done: list[Event] = []  # requests ended outside a window (aborted while waiting, empty budget)
+        self.masks = Masks(self.cache.batch, runner.model.cfg.vocab_size)
 
     @property
     def timings(self):
@@ -104,7 +108,7 @@ class Engine:
     # ------------------------------------------------------------------ schedule
 
     def _schedule(self, events: list[Event]) -> Window:
-        moves, pinned = Moves(), set()
+        moves, pinned, constrained = Moves(), set(), False
         admitted = self._extensions(moves, pinned)
         while self.free and self.waiting and len(admitted) < self.admit_per_window:
             p = self.waiting.popleft()
@@ -116,21 +120,28 @@ class Engine:
             assembler = self.make_assembler(p) if self.make_assembler else None
             self.live[slot] = _Live(p, Completion(p.id, list(p.ids)), assembler)
             restore, saves = self._reuse(p.ids, moves, pinned)
-            admitted.append(Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed, restore, saves))
+            admit = Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed, restore, saves)
+            admitted.append(replace(admit, processing=p.processing))
+            if p.grammar is not None:
+                self.masks.start(slot, p.grammar)
+                constrained = True
         ended, self.ended = tuple(self.ended), []
         drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
         if not self.live:
             return Window(tuple(admitted), ended, **drops)
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
-        if any(a.emit for a in admitted):  # one step, so the new requests' first tokens are out without delay
+        if any(a.emit for a in admitted) or self.masks:  # one step: new first tokens out at once; masks fresh
             steps = min(steps, 1)
+        if constrained:  # a new constrained slot's second token needs its first one read (grammar.py)
+            steps = 0
         rows = active = None
         if self.step_fn.kind == "eager":  # no slot of interest gets past this row or this slot in the window
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps
             rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
             active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
-        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, **drops)
+        masks = self.masks.window()
+        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, **drops, **masks)
 
     def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
         """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
@@ -166,6 +177,7 @@ class Engine:
 
     def _release(self, slot: int) -> None:
         del self.live[slot]
+        self.masks.end(slot)
         self.free.append(slot)
         self.free.sort()
         self.ended.append(slot)
@@ -188,7 +200,7 @@ class Engine:
             new = tokens[slot][at : s.produced - lo]
             s.read = s.produced
             event = Event(s.prompt.id)
-            finished = self._take(s, new, event)
+            finished = self._take(slot, s, new, event)
             if scored is not None and s.prompt.logprobs is not None:
                 event.logprobs = [scored(slot, at + i, s.prompt.logprobs) for i in range(len(event.tokens))]
                 s.out.logprobs += event.logprobs
@@ -207,22 +219,28 @@ class Engine:
         ids, top = st.top_ids[:, lo:hi].tolist(), st.top_values[:, lo:hi].tolist()
         lse, chosen = st.out_lse[:, lo:hi].tolist(), st.out_logit[:, lo:hi].tolist()
 
-        def scored(slot: int, i: int, k: int):
-            z = lse[slot][i]
-            return chosen[slot][i] - z, [(t, v - z) for t, v in zip(ids[slot][i][:k], top[slot][i][:k], strict=True)]
+        def scored(slot: int, i: int, k: int):  # tokens a mask or a ban took out (-inf) are no candidates
+            z, best = lse[slot][i], zip(ids[slot][i][:k], top[slot][i][:k], strict=True)
+            return chosen[slot][i] - z, [(t, v - z) for t, v in best if v != -math.inf]
 
         return scored
 
-    def _take(self, s: _Live, new: list[int], event: Event) -> bool:
-        """Append tokens up to the first stop; True when the sequence is over."""
+    def _take(self, slot: int, s: _Live, new: list[int], event: Event) -> bool:
+        """Append tokens up to the first stop; True when the sequence is over. Before `min_tokens` tokens no stop
+        string counts (eos and stop ids cannot come: the step holds them back)."""
+        p = s.prompt
         for token in new:
             s.out.tokens.append(token)
             event.tokens.append(token)
-            if token in self.eos:
+            if (
+                not self.masks.accept(slot, token, p.id)
+                or token in p.stop_ids
+                or (token in self.eos and not p.ignore_eos)
+            ):
                 s.out.finish_reason = "stop"
                 return True
             if s.assembler is not None:
-                text, stopped = s.assembler.feed([token])
+                text, stopped = s.assembler.feed([token], stops=len(s.out.tokens) > p.min_tokens)
                 event.text += text
                 if stopped is not None:
                     s.out.finish_reason = "stop"
@@ -235,7 +253,8 @@ class Engine:
         n = len(s.out.tokens)
         ids = self.step_fn.top_ids[slot, :n].tolist()
         values = self.step_fn.top_values[slot, :n].tolist()
-        bad = next(((t, v) for t, row in enumerate(values) for v in row if not math.isfinite(v)), None)
+        # a mask or a ban puts -inf among a row's top logits, but never first
+        bad = next(((t, v) for t, row in enumerate(values) for v in row if _bad(v, row[0])), None)
         if bad is not None:  # NaN or inf weights (or config numbers) make garbage tokens, never a result
             raise K3Error(
                 f"logit {bad[1]} at generated token {bad[0]} of request {s.out.id!r}: the checkpoint's weights "
@@ -243,10 +262,13 @@ class Engine:
             )
         s.out.top_logits = [[[i, v] for i, v in zip(a, b, strict=True)] for a, b in zip(ids, values, strict=True)]
         if s.assembler is not None:
-            if s.out.finish_reason != "stop" or s.out.tokens[-1] in self.eos:
-                event.text += s.assembler.finish()
+            event.text += s.assembler.finish()  # nothing after a stop string
             s.out.text = s.assembler.text
         return s.out
+
+
+def _bad(value: float, best: float) -> bool:
+    return math.isnan(value) or value == math.inf or not math.isfinite(best)
 
 
 def follow(runner: Runner, channel: Channel) -> int:

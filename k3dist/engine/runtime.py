@@ -9,7 +9,8 @@ Terms (each an upper bound of what is alive at once, in bytes):
   stream around it;
 - logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
   sampler's sort and noise buffers;
-- outputs: the per-slot token and top-5 buffers the host reads;
+- outputs: the per-slot token and top-5 buffers the host reads, and the logit processors' per-slot buffers (settings,
+  output counts, prompt tokens and grammar masks over the rank's vocabulary shard: logits.py), with rank 0's bitmask;
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
 - cpu: an allowance for what the libraries allocate on first use during generation (oneDNN kernels, pools) plus
   a measured growth per prompt token of the batch (allocator fragmentation over long prefills).
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..model.mla import KEY_BLOCK
+from .logits import processor_bytes
 from .runner import prefills_together
 
 MiB = 2**20
@@ -104,6 +106,7 @@ def runtime_memory(
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits
     outputs = batch * max(out_len, 1) * (8 + 5 * (8 + 4) + 4 + 4)  # token, top-5 ids and logits, lse, its logit
+    outputs += processor_bytes(batch, Vl) + batch * -(-V // 32) * 4  # logit processors; grammar bitmask rows
     if device_type == "cuda":
         step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # a graph pool: one step's tensors
         device = graphs * step + CUDA_WORKSPACE
