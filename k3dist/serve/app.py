@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ..base.errors import K3Error
 from .errors import APIError, bad
+from .fields import Forms
 from .loop import EngineLoop, Failure
 from .protocol import ChatRequest, CompletionRequest, budget, choices, completion_ids, parse_body
 from .responses import Shape, usage
@@ -35,6 +37,8 @@ class Front:
         self.loop, self.text, self.model_name = loop, text, model_name
         self.cap, self.vocab, self.api_key, self.max_body = cap, vocab, api_key, max_body
         self.unknown_logged: set[str] = set()
+        self.forms = Forms(text.tokenizer, vocab)  # logit processors, structured outputs, tool calls
+        threading.Thread(target=self.forms.grammars.warm, name="k3dist-grammar-warm", daemon=True).start()
 
 
 class _Responding:
@@ -160,6 +164,7 @@ async def _generate(front: Front, request: Request, kind):
     arrived = time.monotonic()
     raw = await _body(request, front.max_body)
     req = await run_in_threadpool(parse_body, raw, kind)  # megabytes of JSON are parsed off the event loop
+    plan = await run_in_threadpool(front.forms.plan, req)  # refusals first; a grammar compiles off the loop too
     room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
     for name in sorted(set(req.model_extra or ()) - front.unknown_logged)[:room]:
         front.unknown_logged.add(name)
@@ -176,7 +181,8 @@ async def _generate(front: Front, request: Request, kind):
     logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = Shape(request_id, front.model_name, chat, front.text.tokenizer, ids if req.return_token_ids else None)
-    prompts = choices(req, shape.id, ids, max_new, logprobs)
+    prompts = choices(req, shape.id, ids, max_new, logprobs, plan.engine)
+    tools = plan.tool_calls(len(prompts))
     events: asyncio.Queue = asyncio.Queue()
     aio = asyncio.get_running_loop()
     front.loop.submit(prompts, lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev), arrived)
@@ -184,18 +190,18 @@ async def _generate(front: Front, request: Request, kind):
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(front, shape, events, index, len(ids), include, logprobs is not None),
+            _stream(front, shape, events, index, len(ids), include, logprobs is not None, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _whole(front, request, shape, events, index, len(ids))
+    return await _whole(front, request, shape, events, index, len(ids), tools)
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored):
+async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored, tools):
     pending, produced, offsets = dict(index), 0, [0] * len(index)
     try:
         if shape.chat:
@@ -209,9 +215,15 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
             i = index[ev.id]
             logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
             offsets[i] += len(ev.text)
-            if ev.text or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
-                chunk = shape.chunk(i, ev.text, ev.finish_reason, logprobs, False, include_usage, ev.tokens)
-                yield _sse(chunk)
+            text, calls, finish = (
+                tools.delta(i, ev.text, ev.finish_reason) if tools else (ev.text, [], ev.finish_reason)
+            )
+            if text or calls or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
+                parts = [[call] for call in calls] or [[]]  # one tool-call delta per chunk, as OpenAI sends them
+                for k, part in enumerate(parts):
+                    first, last = k == 0, k == len(parts) - 1
+                    extras = (logprobs, False, include_usage, ev.tokens) if first else (None, False, include_usage, ())
+                    yield _sse(shape.chunk(i, text if first else "", finish if last else None, *extras, part))
             if ev.finished:
                 del pending[ev.id]
                 produced += len(ev.completion.tokens)
@@ -223,9 +235,10 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
             front.loop.abort(list(pending))
 
 
-async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int):
+async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int, tools):
     """The whole response once every choice has ended. The connection is looked at every LOOK_S whether events
-    flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end."""
+    flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end.
+    With `tools` each choice's text is parsed into content and tool calls."""
     results = [{"text": "", "tokens": [], "logprobs": [], "finish": None} for _ in index]
     pending, look = dict(index), time.monotonic() + LOOK_S
     try:
@@ -249,6 +262,8 @@ async def _whole(front: Front, request: Request, shape: Shape, events, index: di
             if ev.finished:
                 r["finish"] = ev.finish_reason
                 del pending[ev.id]
+        for i, r in enumerate(results if tools else ()):
+            r["text"], r["tool_calls"], r["finish"] = tools.whole(i, r["text"], r["finish"])
         body = shape.whole(results, usage(prompt_len, sum(len(r["tokens"]) for r in results)))
         return JSONResponse(body)
     finally:

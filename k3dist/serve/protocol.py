@@ -43,6 +43,18 @@ class Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # an extension (vLLM's): token_ids per choice, prompt_token_ids
+    # what shapes the output beyond sampling (fields.py): logit processors, structured outputs; identifiers
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's
+    ignore_eos: bool = False  # vLLM's
+    response_format: dict | None = None
+    structured_outputs: dict | None = None  # vLLM's
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(Sampling):
@@ -57,6 +69,8 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 def parse_body(raw: bytes, model: type[_Body]) -> _Body:
@@ -135,12 +149,15 @@ def budget(req: Sampling, prompt_len: int, cap: int) -> int:
     return asked
 
 
-def choices(req: Sampling, request_id: str, ids: list[int], max_new: int, logprobs: int | None) -> list[Prompt]:
-    """One engine Prompt per choice; without a seed rank 0 draws one (the record carries it to every rank)."""
+def choices(
+    req: Sampling, request_id: str, ids: list[int], max_new: int, logprobs: int | None, extra: dict | None = None
+) -> list[Prompt]:
+    """One engine Prompt per choice; without a seed rank 0 draws one (the record carries it to every rank).
+    `extra`: more Prompt fields (fields.py's plan: logit processors, grammar, stop ids)."""
     seed = req.seed if req.seed is not None else secrets.randbits(62)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     common = dict(ids=tuple(ids), max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p)
-    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs)
+    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs) | (extra or {})
     return [Prompt(f"{request_id}-{i}", seed=(seed + i + INT64) % (2 * INT64) - INT64, **common) for i in range(req.n)]
 
 
