@@ -10,8 +10,9 @@ outside the step. Only windows in a `process` sampling mode run any of it (sampl
 The order is vLLM's: the mask, min_tokens, logit_bias, then the repetition penalty (prompt and output: a positive
 logit divided by it, a negative one multiplied), the frequency penalty (times each token's count in the output) and
 the presence penalty (once per token in the output). Neutral settings change no logit at all, so a slot that asked
-for none of it draws the same tokens whatever shares its window. The first three are one pass over the logits
-(MASKS); the penalties read and keep the counts (PENALTIES), and only windows with a penalized slot run them.
+for none of it draws the same tokens whatever shares its window. The first three are one pass over the logits, in
+place and in the model's dtype (MASKS: -inf is exact in any dtype, and a bias is added at the precision the logits
+have); the penalties read and keep the counts in fp32 (PENALTIES), and only windows with a penalized slot run them.
 """
 
 from dataclasses import asdict, dataclass
@@ -78,9 +79,9 @@ class LogitProcessors:
         self.repetition = full((B,), 1.0, torch.float32)
         self.counts = full((B, V), 0.0, torch.float32)  # each token's count in the slot's output
         self.seen = full((B, V), False, torch.bool)  # tokens of the slot's prompt or output
-        self.allowed = full((B, V), True, torch.bool)  # the grammar's mask (all True: unconstrained)
+        self.blocked = full((B, V), False, torch.bool)  # the grammar's mask: tokens it rules out
         # a bitmask row's bytes, little-endian, hold tokens 8j..8j+7 in byte j: each byte's 8 flags by table
-        self.bits = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)], dtype=torch.bool).to(device)
+        self.unset = torch.tensor([[not (b >> i) & 1 for i in range(8)] for b in range(256)], device=device)
         self.first_byte, self.skip = vocab_start // 8, vocab_start % 8
 
     def reset(self) -> None:
@@ -90,27 +91,30 @@ class LogitProcessors:
         for t, value in ((self.presence, 0.0), (self.frequency, 0.0), (self.repetition, 1.0), (self.counts, 0.0)):
             t.fill_(value)
         self.seen.fill_(False)
-        self.allowed.fill_(True)
+        self.blocked.fill_(False)
 
     def _local(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Token ids -> (index in this rank's shard, clamped into it; whether the id is in the shard)."""
         local = ids - self.start
         return local.clamp(0, max(self.width - 1, 0)), (local >= 0) & (local < self.width)
 
-    def apply(self, logits: Tensor, rows: Tensor, gen: Tensor, level: int) -> Tensor:
-        """logits [n, V_local] of slots `rows` whose next outputs have index `gen` -> processed fp32 logits (a new
-        tensor: the input may be a prefix snapshot's)."""
-        x = logits.float().masked_fill(~self.allowed[rows], NEG_INF)
+    def apply(self, logits: Tensor, rows: Tensor, gen: Tensor, level: int, first: int | None = None) -> Tensor:
+        """logits [n, V_local] of slots `rows` whose next outputs have index `gen` -> the processed logits: the same
+        tensor changed in place (the caller's scratch) at MASKS, a new fp32 one at PENALTIES. `first`: `rows` are
+        the first `first` slots (a decode step), so the vocabulary-wide buffers are read as views, not gathered."""
+        big = (lambda t: t[:first]) if first is not None else (lambda t: t[rows])  # noqa: E731
+        x = logits.float() if level >= PENALTIES else logits
+        x.masked_fill_(big(self.blocked), NEG_INF)
         at, mine = self._local(self.held_ids[rows])
         held = mine & (gen < self.min_tokens[rows])[:, None]
-        x.scatter_add_(1, at, torch.where(held, NEG_INF, 0.0))
+        x.scatter_add_(1, at, torch.where(held, NEG_INF, 0.0).to(x.dtype))
         at, mine = self._local(self.bias_ids[rows])
-        x.scatter_add_(1, at, torch.where(mine, self.bias_values[rows], 0.0))
+        x.scatter_add_(1, at, torch.where(mine, self.bias_values[rows], 0.0).to(x.dtype))
         if level < PENALTIES:
             return x
         rep = self.repetition[rows, None]
-        x = torch.where(self.seen[rows], torch.where(x > 0, x / rep, x * rep), x)
-        counts = self.counts[rows]
+        x = torch.where(big(self.seen), torch.where(x > 0, x / rep, x * rep), x)
+        counts = big(self.counts)
         return x - self.frequency[rows, None] * counts - self.presence[rows, None] * (counts > 0)
 
     def count(self, rows: Tensor, token: Tensor) -> None:
@@ -136,12 +140,12 @@ class LogitProcessors:
             self.seen[slot] = False
             self.seen[slot, at[mine]] = True
         if not p.grammar:
-            self.allowed[slot] = True
+            self.blocked[slot] = False
 
     def load_masks(self, slots: tuple[int, ...], bitmask: Tensor) -> None:
         """Rank 0's bitmask rows [len(slots), ceil(V / 32)] int32 (bit t % 32 of word t // 32: token t allowed) ->
         this rank's shard of each slot's mask (one table lookup per byte of the shard)."""
         last_byte = -(-(self.start + self.width) // 8)
         own = bitmask.contiguous().view(torch.uint8)[:, self.first_byte : last_byte].to(self.device)
-        flags = self.bits[own.long()].view(len(slots), -1)[:, self.skip : self.skip + self.width]
-        self.allowed[torch.tensor(slots, device=self.device)] = flags
+        ruled_out = self.unset[own.long()].view(len(slots), -1)[:, self.skip : self.skip + self.width]
+        self.blocked[torch.tensor(slots, device=self.device)] = ruled_out

@@ -111,7 +111,7 @@ class Runner:
         at, logits, length, c = 0, None, len(items[0].ids), self.prefill_chunk
         if items[0].restore is not None:
             at, saved = self.snapshots.restore(items[0].restore, items[0].slot)
-            logits = saved.unsqueeze(0)
+            logits = saved.unsqueeze(0).clone()  # the step may change its logits in place (logits.py)
         saves = [dict(a.saves) for a in items]
         while at < length:
             end = min(length, (at // c + 1) * c)

@@ -70,12 +70,13 @@ class DecodeStep:
     def buffers(self) -> list[Tensor]:
         return [self.tokens, self.gen, self.out_tokens, self.top_ids, self.top_values, self.out_lse, self.out_logit]
 
-    def emit(self, local_logits: Tensor, rows: Tensor, mode: SamplingMode) -> None:
-        """Choose the next token of slots `rows` from this rank's logits [n, V_local]; record it at each slot's output
-        index with its top logits and the log-sum-exp; make it the slot's next input."""
+    def emit(self, local_logits: Tensor, rows: Tensor, mode: SamplingMode, first: int | None = None) -> None:
+        """Choose the next token of slots `rows` from this rank's logits [n, V_local] (`first`: they are the first n
+        slots); record it at each slot's output index with its top logits and the log-sum-exp; make it the slot's
+        next input."""
         comm = self.model.comm
         if mode.process:  # masks, logit_bias, min_tokens and perhaps penalties (logits.py)
-            local_logits = self.processors.apply(local_logits, rows, self.gen[rows], mode.process)
+            local_logits = self.processors.apply(local_logits, rows, self.gen[rows], mode.process, first)
         values, ids, lse = comm.gather_topk(local_logits, self.top, self.model.kernels.topk_lse)
         if mode.sample:
             logits = comm.gather_logits(local_logits.float())
@@ -101,7 +102,7 @@ class DecodeStep:
         n = self.active or self.batch
         positions = self.cache.positions[:n]
         at = positions.clamp(max=self.cache.cap - 1)
-        self.emit(self.model.decode(self.tokens[:n], at, self.rows), self.slots[:n], mode)
+        self.emit(self.model.decode(self.tokens[:n], at, self.rows), self.slots[:n], mode, n)
         positions.add_(1)
 
     def warm_up(self) -> None:
