@@ -14,14 +14,13 @@ larger than `MAX_SOURCE` characters or is not valid is a 400 naming the field. T
 import json
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 
 from .errors import APIError, bad
 from .tools import ToolPlan, ToolTokens
 
 COMPILE_S = 10.0
+COMPILERS = 2  # compiles at once (a hung one keeps its place until it ends: the bound holds anyway)
 MAX_SOURCE = 64 * 1024  # characters of a schema, regex, grammar, choice list or tool set
 CACHE_BYTES = 64 * 2**20
 TOOL_INDEX = r"[0-9]{1,4}"  # a call's number in the conversation, as the model writes it
@@ -51,7 +50,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.tools = tokenizer, vocab_size, tools
         self._compiler = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="k3dist-grammar")
+        self._places = threading.BoundedSemaphore(COMPILERS)
 
     def warm(self) -> None:
         """Make the compiler now (importing xgrammar takes seconds), so the first structured request does not wait;
@@ -110,17 +109,26 @@ class Grammars:
         size = len(json.dumps(source)) if not isinstance(source, str) else len(source)
         if size > MAX_SOURCE:
             raise bad(f"{param}: the {what} has {size} characters; at most {MAX_SOURCE} are compiled", param)
-        compiler = self.compiler()
-        future = self._pool.submit(compile_with, compiler)
-        try:
-            compiled = future.result(timeout=COMPILE_S)
-        except FutureTimeout:
-            raise bad(f"{param}: the {what} did not compile within {COMPILE_S:.0f} s", param) from None
-        except APIError:
-            raise
-        except Exception as exc:  # xgrammar reports a bad schema, regex or grammar as RuntimeError or ValueError
-            raise bad(f"{param}: the {what} is not valid: {_reason(exc)}", param) from None
-        return partial(_Matcher, compiled)
+        compiler, late = self.compiler(), bad(f"{param}: the {what} did not compile within {COMPILE_S:.0f} s", param)
+        if not self._places.acquire(timeout=COMPILE_S):
+            raise late
+        done, result = threading.Event(), {}
+
+        def work():  # a daemon thread: a compile that never ends holds no request and no exit
+            try:
+                result["compiled"] = compile_with(compiler)
+            except Exception as exc:  # xgrammar reports a bad schema, regex or grammar as RuntimeError or ValueError
+                result["error"] = exc
+            finally:
+                self._places.release()
+                done.set()
+
+        threading.Thread(target=work, name="k3dist-grammar", daemon=True).start()
+        if not done.wait(COMPILE_S):
+            raise late
+        if "error" in result:
+            raise bad(f"{param}: the {what} is not valid: {_reason(result['error'])}", param)
+        return partial(_Matcher, result["compiled"])
 
     def _tools(self, plan: ToolPlan, compiler):
         from xgrammar.structural_tag import StructuralTag
