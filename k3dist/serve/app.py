@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ..base.errors import K3Error
 from .errors import APIError, bad
-from .fields import Forms
+from .fields import UNSERVED, Forms
 from .loop import EngineLoop, Failure
 from .protocol import ChatRequest, CompletionRequest, budget, choices, completion_ids, parse_body
 from .responses import Shape, usage
@@ -166,7 +166,7 @@ async def _generate(front: Front, request: Request, kind):
     req = await run_in_threadpool(parse_body, raw, kind)  # megabytes of JSON are parsed off the event loop
     plan = await run_in_threadpool(front.forms.plan, req)  # refusals first; a grammar compiles off the loop too
     room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
-    for name in sorted(set(req.model_extra or ()) - front.unknown_logged)[:room]:
+    for name in sorted(set(req.model_extra or ()) - front.unknown_logged - UNSERVED.keys())[:room]:
         front.unknown_logged.add(name)
         log.warning("k3_serve_unknown_field name=%s (ignored)", name[:80])
     if req.model is not None and req.model != front.model_name:
