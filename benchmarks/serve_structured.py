@@ -4,7 +4,8 @@
 Every stream produces exactly --max-tokens tokens: free ones with `ignore_eos`, constrained ones under a schema that
 cannot close sooner (an array of at least 64 objects, each with an enum, a bounded integer and a short string), so the
 two points decode the same number of tokens from the same prompts and differ only in the grammar: rank 0's matchers
-and masks, the mask broadcast, and the step's processed mode (masks applied to each rank's logits). Targets (issue 22):
+and masks, the mask broadcast, and the step's processed mode (masks applied to each rank's logits). The two kinds
+of point alternate in order from one repeat to the next. Targets (issue 22):
 ITL p50 of the constrained streams within 1.25x of the free ones, output tok/s at least 0.8x, medians of the paired
 per-repeat ratios.
 """
@@ -81,8 +82,8 @@ def run_structured(args, serve) -> int:
         server.start(args.timeout)
         for constrained in (False, True):  # warm-up: the grammar compiler and both step modes
             asyncio.run(point(args, server, prompts[-1:], constrained, serve.one_request))
-        for rep in range(args.repeats):
-            for name, constrained in (("free", False), ("json_schema", True)):
+        for rep in range(args.repeats):  # the order alternates, so a drift of the host's load pairs out
+            for name, constrained in (("free", False), ("json_schema", True))[:: 1 if rep % 2 == 0 else -1]:
                 results, seconds = asyncio.run(point(args, server, prompts[:-1], constrained, serve.one_request))
                 p = serve.summarize(results, seconds, args.max_tokens) | {"repeat": rep}
                 points[name].append(p)
@@ -122,7 +123,8 @@ def run_structured(args, serve) -> int:
         f"twin `{twin.name}`, bf16, greedy, /v1/chat/completions streamed, {args.requests} requests per point at "
         f"concurrency {args.concurrency[0]}, prompts of {args.prompt_len} tokens, exactly {args.max_tokens} output "
         f"tokens each (free: ignore_eos; json_schema: a schema that cannot close sooner); {args.repeats} repeats, free "
-        f"then json_schema; figures are medians over repeats, ratios the median of the per-repeat ratios (ITL: {per}).",
+        f"and json_schema in turn (the order alternates); figures are medians over repeats, ratios the median of the "
+        f"per-repeat ratios (ITL: {per}; tok/s: {' '.join(f'{x:.2f}' for x in tok)}).",
         f"server: {server.error or 'ok'}, {server.stopped}; logs in {tmp}.",
     ]
     data = {"args": vars(args), "points": points}
