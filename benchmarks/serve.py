@@ -3,6 +3,7 @@
     python benchmarks/serve.py                   # concurrency 1 4 16, 32 requests of 128 + 32 tokens, 3 repeats
     python benchmarks/serve.py --quick           # smoke test: concurrency 1 4, 4 requests, 8 tokens, 1 repeat
     python benchmarks/serve.py --skip-peer --nproc 2 --batch 16
+    python benchmarks/serve.py --structured       # k3dist alone: 8 json_schema streams vs 8 free ones (issue 22)
 
 Both servers start once on 127.0.0.1 (free ports), are warmed up with one request and stay up; per concurrency the
 points interleave, peer then k3dist, --repeats times, each point --requests streaming requests with at most
@@ -337,8 +338,15 @@ def main() -> int:
     ap.add_argument("--k3dist-url", help="use a k3dist server already running there (not started or stopped here)")
     ap.add_argument("--quick", action="store_true", help="smoke test: " + json.dumps(QUICK))
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
+    ap.add_argument(
+        "--structured", action="store_true", help="k3dist alone: json_schema vs free streams (serve_structured.py)"
+    )
     common.add_output_args(ap)
     args = ap.parse_args()
+    if args.structured:
+        from serve_structured import run_structured
+
+        return run_structured(args, sys.modules[__name__])
     args.out_md = args.out_md or common.RESULTS / "serve.md"
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         setattr(args, key, getattr(args, key) or value)

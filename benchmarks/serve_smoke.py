@@ -1,7 +1,9 @@
 """A short serve check (gpu_check.sh runs it on CUDA; `--device cpu` rehearses it here): start the server on the bf16
-twin (on CUDA one graph per sampling mode is captured), drive it with the real `openai` client through 8 concurrent
-streams mixing greedy and sampling, check each finished and that a greedy request answers the same twice, then
-SIGTERM it and check the drain's exit code. Writes what it measured as JSON.
+twin (on CUDA one graph per sampling mode is captured, the processed modes included), drive it with the real `openai`
+client through 8 concurrent streams mixing greedy and sampling plus one under a `json_schema` grammar (its masks go
+through the captured step beside the free streams), check each finished, that the constrained one is valid JSON ended
+by `stop` and that a greedy request answers the same twice, then SIGTERM it and check the drain's exit code. Writes
+what it measured as JSON.
 
     python benchmarks/serve_smoke.py --device cuda --json $OUT/serve.json
 """
@@ -40,7 +42,35 @@ def start_server(args, twin: Path) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit("serve_smoke: the server never said it was serving")
 
 
-async def streams(url: str, model: str, n: int, max_tokens: int) -> list[dict]:
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+
+
+async def constrained(client, model: str) -> dict:
+    """One chat stream under a json_schema grammar: its text must be an object of SCHEMA, ended by stop."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "smoke", "schema": SCHEMA, "strict": True}}
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A colour and a count"}], response_format=fmt,
+        max_tokens=64, temperature=0.8, seed=5, stream=True,
+    )  # fmt: skip
+    text, finish = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    try:
+        value = json.loads(text)
+        valid = set(value) == {"colour", "count"} and value["colour"] in ("red", "green") and 0 <= value["count"] <= 9
+    except (ValueError, TypeError):
+        valid = False
+    return {"text": text, "finish_reason": finish, "valid": valid and finish == "stop"}
+
+
+async def streams(url: str, model: str, n: int, max_tokens: int) -> tuple[list[dict], dict]:
     import openai
 
     async def one(i: int) -> dict:
@@ -59,7 +89,8 @@ async def streams(url: str, model: str, n: int, max_tokens: int) -> list[dict]:
         return {"ttft_s": first - start, "e2e_s": time.perf_counter() - start, "tokens": usage.completion_tokens}
 
     async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=300) as client:
-        return await asyncio.gather(*(one(i) for i in range(n)))
+        *free, shaped = await asyncio.gather(*(one(i) for i in range(n)), constrained(client, model))
+        return free, shaped
 
 
 def main() -> int:
@@ -80,9 +111,9 @@ def main() -> int:
         greedy = [client.completions.create(model=model, prompt="Hello", max_tokens=16, temperature=0).choices[0].text
                   for _ in range(2)]  # fmt: skip
         start = time.perf_counter()
-        results = asyncio.run(streams(url, model, args.batch, args.max_tokens))
+        results, shaped = asyncio.run(streams(url, model, args.batch - 1, args.max_tokens))
         wall = time.perf_counter() - start
-        out |= {"greedy_repeatable": greedy[0] == greedy[1], "streams": results, "wall_s": wall}
+        out |= {"greedy_repeatable": greedy[0] == greedy[1], "streams": results, "constrained": shaped, "wall_s": wall}
         out["output_tok_s"] = sum(r["tokens"] for r in results) / wall
         out["all_finished"] = all(r["tokens"] >= 1 for r in results)
     finally:
@@ -92,7 +123,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             out["exit_code"] = None
-    out["ok"] = bool(out.get("greedy_repeatable") and out.get("all_finished") and out["exit_code"] == 143)
+    shaped_ok = out.get("constrained", {}).get("valid")
+    out["ok"] = bool(out.get("greedy_repeatable") and out.get("all_finished") and shaped_ok and out["exit_code"] == 143)
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

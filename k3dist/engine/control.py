@@ -1,16 +1,18 @@
 """The control plane: rank 0 decides, every rank follows.
 
 Each window rank 0 sends every other rank one small record over the gloo control group: the requests admitted into
-slots (prompt ids and sampling settings), the slots whose requests ended, how many decode steps to run, and at the
-end a shutdown; now and then a record asks every rank for the memory it holds (watch.py). Every rank applies the
-same records in the same order, so all keep the same slot table and run the same steps; generated ids never travel
-(sampling is identical on every rank). An idle rank 0 sends an empty record every `heartbeat_s`, so a follower
-waiting for the next one is never left in a collective that times out, however long the server idles.
+slots (prompt ids, sampling settings and logit processors), the slots whose requests ended, how many decode steps to
+run, and at the end a shutdown; now and then a record asks every rank for the memory it holds (watch.py). A window
+with grammar-constrained slots sends their token bitmasks right after it, as one int32 tensor (a broadcast on the
+same group), never inside the record. Every rank applies the same records in the same order, so all keep the same
+slot table and run the same steps; generated ids never travel (sampling is identical on every rank). An idle rank 0
+sends an empty record every `heartbeat_s`, so a follower waiting for the next one is never left in a collective that
+times out, however long the server idles.
 """
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from ..base import allocator
 from ..base.dist import Runtime
 from ..base.errors import K3Error
 from ..weights.memory import resident_bytes
+from .logits import Processing
 from .sampling import GREEDY, SamplingMode
 
 log = logging.getLogger("k3dist")
@@ -38,6 +41,7 @@ class Admit:
     saves: tuple[tuple[int, int], ...] = ()  # (position, snapshot id): prefix snapshots to take on the way
     emit: bool = True  # False: choose no token (snapshots of a finished request's prompt + completion, or a score)
     score: int | None = None  # prompt log-probabilities: the k best of every position gathered too (prompt_logprobs.py)
+    processing: Processing | None = None  # logit processors (logits.py); None: none
 
 
 @dataclass(frozen=True)
@@ -55,19 +59,28 @@ class Window:
     top: int = 5  # top logits the window's emits gather (step.py's TOP, or more when a live slot asks for more)
     report: bool = False  # after the window every rank reports the memory it holds (watch.py)
     stop: int | None = None  # shutdown: every rank leaves its loop (the exit code, 0 for a normal end)
+    masks: tuple[int, ...] = ()  # slots whose grammar masks come with this window ...
+    mask_words: int = 0  # ... as `bitmask` [len(masks), mask_words] int32, sent beside the record
+    bitmask: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        raw = asdict(replace(self, bitmask=None))
+        del raw["bitmask"]
+        return json.dumps(raw, separators=(",", ":")).encode()
 
     @staticmethod
     def from_json(data: bytes) -> "Window":
         raw = json.loads(data)
-        saves = lambda a: tuple(map(tuple, a["saves"]))  # noqa: E731
-        raw["admit"] = tuple(Admit(**(a | {"ids": tuple(a["ids"]), "saves": saves(a)})) for a in raw["admit"])
+        raw["admit"] = tuple(_admit(a) for a in raw["admit"])
         raw["mode"] = SamplingMode(**raw["mode"])
-        for key in ("ended", "drop", "demote"):
+        for key in ("ended", "drop", "demote", "masks"):
             raw[key] = tuple(raw[key])
         return Window(**raw)
+
+
+def _admit(raw: dict) -> Admit:
+    saves, processing = tuple(map(tuple, raw["saves"])), Processing.from_json(raw["processing"])
+    return Admit(**(raw | {"ids": tuple(raw["ids"]), "saves": saves, "processing": processing}))
 
 
 class Channel:
@@ -85,13 +98,20 @@ class Channel:
             data = window.to_json()
             dist.broadcast(torch.tensor([len(data)]), 0, group=self.rt.ctrl)
             dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.rt.ctrl)
+            if window.masks:
+                dist.broadcast(window.bitmask.contiguous(), 0, group=self.rt.ctrl)
 
     def receive(self) -> Window:
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, 0, group=self.rt.ctrl)
         data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, 0, group=self.rt.ctrl)
-        return Window.from_json(data.numpy().tobytes())
+        window = Window.from_json(data.numpy().tobytes())
+        if window.masks:
+            bitmask = torch.empty(len(window.masks), window.mask_words, dtype=torch.int32)
+            dist.broadcast(bitmask, 0, group=self.rt.ctrl)
+            window = replace(window, bitmask=bitmask)
+        return window
 
     def gather_memory(self, device: torch.device) -> list[list[int]]:
         """After a report window, on every rank: give back free heap pages, then every rank's (resident, base) to

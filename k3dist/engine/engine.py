@@ -4,7 +4,9 @@
 window (at most `decode.sync_every` steps, fewer when a slot reaches its budget sooner); the window goes to every
 rank (control.py) and every rank runs it (runner.py); postprocess reads the new tokens once, ends sequences at an eos
 id, a stop string or their budget, and frees their slots for the next window. The host looks at the device only
-there. The offline run and the server drive this same engine; the other ranks only follow its records.
+there. The offline run and the server drive this same engine; the other ranks only follow its records. Requests
+under a grammar also have their matchers advanced there, and their next masks go out with the next window
+(grammar.py).
 """
 
 import math
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ..base.errors import K3Error
 from .control import Admit, Channel, Window
+from .grammar import Masks
 from .prefix import Moves, PrefixIndex
 from .requests import Completion, Event, Prompt
 from .runner import Runner, prefills_together
@@ -60,6 +63,7 @@ class Engine:
         self.ended: list[int] = []  # slots freed since the last window, told to every rank with the next one
         self.done: list[Event] = []  # requests ended outside a window (aborted while waiting, empty budget)
         self.scoring: dict[int, Prompt] = {}  # this window's prompts only scored (max_new_tokens 0), by the slot lent
+        self.masks = Masks(self.cache.batch, runner.model.cfg.vocab_size)
 
     @property
     def timings(self):
@@ -120,7 +124,7 @@ class Engine:
     # ------------------------------------------------------------------ schedule
 
     def _schedule(self, events: list[Event]) -> Window:
-        moves, pinned = Moves(), set()
+        moves, pinned, constrained = Moves(), set(), False
         admitted = self._extensions(moves, pinned)
         self.scoring = {}
         while self.free and self.waiting and len(admitted) < self.admit_per_window:
@@ -139,15 +143,22 @@ class Engine:
             # a scored prompt prefills from its first token: a snapshot holds no logits of the positions before it
             restore, saves = self._reuse(p.ids, moves, pinned) if p.prompt_logprobs is None else (None, ())
             sampling = (p.temperature, p.top_p, p.top_k, p.seed)
-            admitted.append(Admit(slot, p.ids, *sampling, restore, saves, score=p.prompt_logprobs))
+            admitted.append(
+                Admit(slot, p.ids, *sampling, restore, saves, score=p.prompt_logprobs, processing=p.processing)
+            )
+            if p.grammar is not None:
+                self.masks.start(slot, p.grammar)
+                constrained = True
         self.free = sorted(self.free + list(self.scoring))
         ended, self.ended = tuple(self.ended), []
         drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
         if not self.live:
             return Window(tuple(admitted), ended, **drops)
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
-        if any(a.emit for a in admitted):  # one step, so the new requests' first tokens are out without delay
+        if any(a.emit for a in admitted) or self.masks:  # one step: new first tokens out at once; masks fresh
             steps = min(steps, 1)
+        if constrained:  # a new constrained slot's second token needs its first one read (grammar.py)
+            steps = 0
         rows = active = None
         if self.step_fn.kind == "eager":  # no slot of interest gets past this row or this slot in the window
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps
@@ -155,7 +166,10 @@ class Engine:
             active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
         top = max([TOP, *(s.prompt.logprobs or 0 for s in self.live.values())])  # wider only where a slot asks
-        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, top=top, **drops)
+        masks = self.masks.window()
+        return Window(
+            tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, top=top, **drops, **masks
+        )
 
     def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
         """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
@@ -191,6 +205,7 @@ class Engine:
 
     def _release(self, slot: int) -> None:
         del self.live[slot]
+        self.masks.end(slot)
         self.free.append(slot)
         self.free.sort()
         self.ended.append(slot)
@@ -217,7 +232,7 @@ class Engine:
             event = Event(s.prompt.id)
             if slot in scores and s.prompt.prompt_logprobs is not None:
                 event.prompt_logprobs = scores[slot].entries()
-            finished = self._take(s, new, event)
+            finished = self._take(slot, s, new, event)
             if scored is not None and s.prompt.logprobs is not None:
                 event.logprobs = [scored(slot, at + i, s.prompt.logprobs) for i in range(len(event.tokens))]
                 s.out.logprobs += event.logprobs
@@ -241,22 +256,28 @@ class Engine:
         ids, top = st.top_ids[:, lo:hi, :k].tolist(), st.top_values[:, lo:hi, :k].tolist()
         lse, chosen = st.out_lse[:, lo:hi].tolist(), st.out_logit[:, lo:hi].tolist()
 
-        def scored(slot: int, i: int, k: int):
-            z = lse[slot][i]
-            return chosen[slot][i] - z, [(t, v - z) for t, v in zip(ids[slot][i][:k], top[slot][i][:k], strict=True)]
+        def scored(slot: int, i: int, k: int):  # tokens a mask or a ban took out (-inf) are no candidates
+            z, best = lse[slot][i], zip(ids[slot][i][:k], top[slot][i][:k], strict=True)
+            return chosen[slot][i] - z, [(t, v - z) for t, v in best if v != -math.inf]
 
         return scored
 
-    def _take(self, s: _Live, new: list[int], event: Event) -> bool:
-        """Append tokens up to the first stop; True when the sequence is over."""
+    def _take(self, slot: int, s: _Live, new: list[int], event: Event) -> bool:
+        """Append tokens up to the first stop; True when the sequence is over. Before `min_tokens` tokens no stop
+        string counts (eos and stop ids cannot come: the step holds them back)."""
+        p = s.prompt
         for token in new:
             s.out.tokens.append(token)
             event.tokens.append(token)
-            if token in self.eos:
+            if (
+                not self.masks.accept(slot, token, p.id)
+                or token in p.stop_ids
+                or (token in self.eos and not p.ignore_eos)
+            ):
                 s.out.finish_reason = "stop"
                 return True
             if s.assembler is not None:
-                text, stopped = s.assembler.feed([token])
+                text, stopped = s.assembler.feed([token], stops=len(s.out.tokens) > p.min_tokens)
                 event.text += text
                 if stopped is not None:
                     s.out.finish_reason = "stop"
@@ -269,7 +290,8 @@ class Engine:
         n = len(s.out.tokens)
         ids = self.step_fn.top_ids[slot, :n, :TOP].tolist()
         values = self.step_fn.top_values[slot, :n, :TOP].tolist()
-        bad = next(((t, v) for t, row in enumerate(values) for v in row if not math.isfinite(v)), None)
+        # a mask or a ban puts -inf among a row's top logits, but never first
+        bad = next(((t, v) for t, row in enumerate(values) for v in row if _bad(v, row[0])), None)
         if bad is not None:  # NaN or inf weights (or config numbers) make garbage tokens, never a result
             raise K3Error(
                 f"logit {bad[1]} at generated token {bad[0]} of request {s.out.id!r}: the checkpoint's weights "
@@ -277,10 +299,13 @@ class Engine:
             )
         s.out.top_logits = [[[i, v] for i, v in zip(a, b, strict=True)] for a, b in zip(ids, values, strict=True)]
         if s.assembler is not None:
-            if s.out.finish_reason != "stop" or s.out.tokens[-1] in self.eos:
-                event.text += s.assembler.finish()
+            event.text += s.assembler.finish()  # nothing after a stop string
             s.out.text = s.assembler.text
         return s.out
+
+
+def _bad(value: float, best: float) -> bool:
+    return math.isnan(value) or value == math.inf or not math.isfinite(best)
 
 
 def follow(runner: Runner, channel: Channel) -> int:

@@ -1,8 +1,10 @@
 """What flows through the engine: a request made ready (Prompt), its result (Completion), and what each step of the
 engine reports about it (Event)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .logits import Processing
 from .sampling import SamplingMode
 
 
@@ -20,10 +22,20 @@ class Prompt:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (scored in the prefill; prompt_logprobs.py)
+    processing: Processing | None = None  # logit processors (engine/logits.py); None: none
+    grammar: Callable | None = None  # () -> a grammar matcher (engine/grammar.py), rank 0 only; needs `processing`
+    stop_ids: tuple[int, ...] = ()  # token ids that end the sequence as an eos id does
+    ignore_eos: bool = False  # eos ids do not end it (stop_ids still do)
 
     @property
     def mode(self) -> SamplingMode:
-        return SamplingMode.of(self.temperature, self.top_p, self.top_k)
+        return SamplingMode.of(
+            self.temperature, self.top_p, self.top_k, self.processing.level if self.processing else 0
+        )
+
+    @property
+    def min_tokens(self) -> int:
+        return self.processing.min_tokens if self.processing else 0
 
 
 @dataclass

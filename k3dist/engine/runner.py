@@ -79,6 +79,8 @@ class Runner:
                 self.snapshots.drop(snap)
         if window.admit:
             self.admit(window.admit, window)
+        if window.masks:  # after the admissions' resets (a snapshot-only admission may share a slot)
+            self.step.processors.load_masks(window.masks, window.bitmask)
         if window.steps:
             self.decode(window)
 
@@ -111,12 +113,14 @@ class Runner:
         """Prefill same-length prompts (one, if it starts from a snapshot) in chunks that end on multiples of
         `prefill_chunk`, so a prompt restored at a chunk boundary runs exactly the chunks it would have from 0."""
         self._reset(items)
+        if masked := [i for i, slot in enumerate(window.masks) if slot in {a.slot for a in items}]:
+            self.step.processors.load_masks(tuple(window.masks[i] for i in masked), window.bitmask[masked])
         rows = torch.tensor([a.slot for a in items], device=self.device)
         ids = torch.tensor([list(a.ids) for a in items], device=self.device)
         at, logits, length, c = 0, None, len(items[0].ids), self.prefill_chunk
         if items[0].restore is not None:
             at, saved = self.snapshots.restore(items[0].restore, items[0].slot)
-            logits = saved.unsqueeze(0)
+            logits = saved.unsqueeze(0).clone()  # the step may change its logits in place (logits.py)
         saves = [dict(a.saves) for a in items]
         scored = {row: PromptScores(a.score) for row, a in enumerate(items) if a.score is not None}
         while at < length:
@@ -138,7 +142,8 @@ class Runner:
             self.step.emit(logits, rows, window.mode)
 
     def _reset(self, items: list[Admit]) -> None:
-        """Empty the slots and load their requests' sampling settings (host-to-device writes, outside any step).
+        """Empty the slots and load their requests' sampling settings and logit processors (host-to-device writes,
+        outside any step).
 
         Any integer fits: a top_k past the vocabulary cuts nothing and is the vocabulary, a seed is its low 64 bits."""
         s, vocab = self.step, self.model.cfg.vocab_size
@@ -151,6 +156,7 @@ class Runner:
                 min(a.top_k, vocab),
                 slot_seed(a.seed),
             )
+            s.processors.load(a.slot, a.processing, a.ids)
 
     def decode(self, window: Window) -> None:
         self.stage = "decode"

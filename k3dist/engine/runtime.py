@@ -9,7 +9,9 @@ Terms (each an upper bound of what is alive at once, in bytes):
   stream around it;
 - logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
   sampler's sort and noise buffers;
-- outputs: the per-slot token and top-k buffers the host reads (5 wide, a server's 20);
+- outputs: the per-slot token and top-k buffers the host reads (5 wide, a server's 20), and the logit processors'
+  per-slot buffers (settings, output counts, prompt tokens and grammar masks over the rank's vocabulary shard:
+  logits.py), with rank 0's bitmask;
 - scoring (a server): one block of logits of prompt positions being scored, the gathers of its top-k, and the
   scored positions of the prompts a window admits (engine/prompt_logprobs.py);
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass
 from ..base.allocator import PRIMITIVE_BYTES, cached_primitives
 from ..config import ModelConfig
 from ..model.mla import KEY_BLOCK
+from .logits import processor_bytes
 from .prompt_logprobs import SCORE_ROWS
 from .runner import prefills_together
 from .step import TOP, WIDEST
@@ -124,6 +127,7 @@ def runtime_memory(
     if scoring:  # a block's logits (and fp32 widening), its normed states, the gathers; the admissions' scores
         block = SCORE_ROWS * (Vl * (s + 4) + cfg.hidden_size * (4 + s) + 2 * world * (WIDEST + 1) * (4 + 8))
         score = block + together * longest_prompt * (WIDEST * (4 + 8) + 4 + 4)
+    outputs += processor_bytes(batch, Vl) + batch * -(-V // 32) * 4  # logit processors; grammar bitmask rows
     if device_type == "cuda":
         step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # a graph pool: one step's tensors
         device = graphs * step + CUDA_WORKSPACE

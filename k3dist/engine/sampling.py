@@ -46,25 +46,34 @@ def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
 @dataclass(frozen=True, order=True)
 class SamplingMode:
     """What a step must be able to do: greedy only, or sampling, with or without top-k/top-p filters (those sort the
-    vocabulary). The step is captured once per mode it may need; a window runs the least mode covering its slots."""
+    vocabulary), and which logit processors it runs (logits.py): none, masks (a grammar's, logit_bias, min_tokens:
+    one pass over the logits) or masks and penalties (output counts: several passes). The step is captured once per
+    mode it may need; a window runs the least mode covering its slots, so a window whose slots use no processor pays
+    nothing for them, and one with grammars but no penalties pays only for masks."""
 
     sample: bool
     filtered: bool
+    process: int = 0  # logits.py's NONE, MASKS or PENALTIES
 
     @staticmethod
-    def of(temperature: float, top_p: float, top_k: int) -> "SamplingMode":
+    def of(temperature: float, top_p: float, top_k: int, process: int = 0) -> "SamplingMode":
         """The least mode one request needs."""
         sample = temperature > 0
-        return SamplingMode(sample, sample and (top_p < 1 or top_k > 0))
+        return SamplingMode(sample, sample and (top_p < 1 or top_k > 0), process)
 
     @staticmethod
     def covering(modes) -> "SamplingMode":
-        """The least mode covering all of `modes` (greedy for none)."""
-        return max(modes, default=GREEDY)
+        """The least mode covering all of `modes` (greedy for none): each ability any of them needs."""
+        modes = list(modes)
+        sample, filtered = (any(getattr(m, f) for m in modes) for f in ("sample", "filtered"))
+        return SamplingMode(sample, filtered, max((m.process for m in modes), default=0))
+
+    def covers(self, other: "SamplingMode") -> bool:
+        return self == SamplingMode.covering((self, other))
 
 
 GREEDY, SAMPLE, FILTERED = SamplingMode(False, False), SamplingMode(True, False), SamplingMode(True, True)
-ALL_MODES = (GREEDY, SAMPLE, FILTERED)
+ALL_MODES = tuple(SamplingMode(m.sample, m.filtered, p) for p in (0, 1, 2) for m in (GREEDY, SAMPLE, FILTERED))
 
 
 def choose_tokens(

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..base.errors import K3Error
 from ..model.cache import HybridCache
 from ..model.decoder import K3Model
+from .logits import PENALTIES, LogitProcessors
 from .sampling import ALL_MODES, GREEDY, SamplingMode, choose_tokens
 
 TOP = 5  # top logits kept per generated token (result.json's top_logits, top_logprobs)
@@ -63,6 +64,7 @@ class DecodeStep:
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.top_k = zeros(B)
         self.seed = zeros(B)
+        self.processors = LogitProcessors(B, model.comm.vocab_start, model.comm.vocab_stop, dev)
         self._runs = {mode: partial(self.step, mode) for mode in ALL_MODES}  # eager: any mode as it is
         self._graphs: list = []
         self.warmup_seconds = 0.0
@@ -77,10 +79,13 @@ class DecodeStep:
     def buffers(self) -> list[Tensor]:
         return [self.tokens, self.gen, self.out_tokens, self.top_ids, self.top_values, self.out_lse, self.out_logit]
 
-    def emit(self, local_logits: Tensor, rows: Tensor, mode: SamplingMode) -> None:
-        """Choose the next token of slots `rows` from this rank's logits [n, V_local]; record it at each slot's output
-        index with its top logits and the log-sum-exp; make it the slot's next input."""
+    def emit(self, local_logits: Tensor, rows: Tensor, mode: SamplingMode, first: int | None = None) -> None:
+        """Choose the next token of slots `rows` from this rank's logits [n, V_local] (`first`: they are the first n
+        slots); record it at each slot's output index with its top logits and the log-sum-exp; make it the slot's
+        next input."""
         comm = self.model.comm
+        if mode.process:  # masks, logit_bias, min_tokens and perhaps penalties (logits.py)
+            local_logits = self.processors.apply(local_logits, rows, self.gen[rows], mode.process, first)
         values, ids, lse = comm.gather_topk(local_logits, self.top, self.model.kernels.topk_lse)
         if mode.sample:
             logits = comm.gather_logits(local_logits.float())
@@ -92,6 +97,8 @@ class DecodeStep:
         at = self.gen[rows].clamp(max=self.out_len - 1)  # a finished slot may step on until the host looks
         k = ids.shape[-1]  # columns past k keep older values: the host reads at most the k its window gathered
         self.out_tokens.index_put_((rows, at), token)
+        if mode.process >= PENALTIES:
+            self.processors.count(rows, token)
         self.top_ids[..., :k].index_put_((rows, at), ids)
         self.top_values[..., :k].index_put_((rows, at), values)
         self.out_lse.index_put_((rows, at), lse)
@@ -105,7 +112,7 @@ class DecodeStep:
         n = self.active or self.batch
         positions = self.cache.positions[:n]
         at = positions.clamp(max=self.cache.cap - 1)
-        self.emit(self.model.decode(self.tokens[:n], at, self.rows), self.slots[:n], mode)
+        self.emit(self.model.decode(self.tokens[:n], at, self.rows), self.slots[:n], mode, n)
         positions.add_(1)
 
     def warm_up(self) -> None:
@@ -125,7 +132,8 @@ class DecodeStep:
             elif self.kind == "graph":
                 pool = torch.cuda.graph_pool_handle()  # the modes' graphs replay one at a time: one pool
                 graphs = {mode: self._capture(mode, pool) for mode in self.modes}
-                self._runs = {m: graphs[min(c for c in self.modes if c >= m)] for m in ALL_MODES if m <= self.modes[-1]}
+                covering = {m: [c for c in self.modes if c.covers(m)] for m in ALL_MODES}
+                self._runs = {m: graphs[min(cs)] for m, cs in covering.items() if cs}
             else:
                 raise K3Error(f"unknown decode capture {self.kind!r}")
         self.reset()
@@ -149,6 +157,7 @@ class DecodeStep:
         self.cache.reset()
         for t in self.buffers():
             t.zero_()
+        self.processors.reset()
 
     def __call__(self, mode: SamplingMode = GREEDY) -> None:
         """One step in `mode` (a graph runs the least captured mode that covers it; a compiled step was traced with

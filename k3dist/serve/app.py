@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException
 from ..base.errors import K3Error
 from .completions import Batch, Echo, batch_choices, budgets, prompt_batch
 from .errors import APIError, bad
+from .fields import UNSERVED, Forms
 from .loop import EngineLoop, Failure
 from .protocol import ChatRequest, CompletionRequest, choices, parse_body
 from .responses import Shape, usage
@@ -38,6 +40,8 @@ class Front:
         self.loop, self.text, self.model_name = loop, text, model_name
         self.cap, self.vocab, self.api_key, self.max_body = cap, vocab, api_key, max_body
         self.unknown_logged: set[str] = set()
+        self.forms = Forms(text.tokenizer, vocab)  # logit processors, structured outputs, tool calls
+        threading.Thread(target=self.forms.grammars.warm, name="k3dist-grammar-warm", daemon=True).start()
 
 
 class _Responding:
@@ -166,8 +170,9 @@ async def _generate(front: Front, request: Request, kind):
     arrived = time.monotonic()
     raw = await _body(request, front.max_body)
     req = await run_in_threadpool(parse_body, raw, kind)  # megabytes of JSON are parsed off the event loop
+    plan = await run_in_threadpool(front.forms.plan, req)  # refusals first; a grammar compiles off the loop too
     room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
-    for name in sorted(set(req.model_extra or ()) - front.unknown_logged)[:room]:
+    for name in sorted(set(req.model_extra or ()) - front.unknown_logged - UNSERVED.keys())[:room]:
         front.unknown_logged.add(name)
         log.warning("k3_serve_unknown_field name=%s (ignored)", name[:80])
     if req.model is not None and req.model != front.model_name:
@@ -184,10 +189,12 @@ async def _generate(front: Front, request: Request, kind):
     asked_ids = (batch.ids[0] if len(batch.ids) == 1 else batch.ids) if req.return_token_ids else None
     shape = Shape(request_id, front.model_name, chat, front.text.tokenizer, asked_ids)
     if chat:
-        prompts = choices(req, shape.id, batch.ids[0], limits[0], logprobs)
+        prompts = choices(req, shape.id, batch.ids[0], limits[0], logprobs, extra=plan.engine)
     else:
-        prompts = batch_choices(req, shape.id, batch, limits, front.loop.max_waiting + front.loop.engine.cache.batch)
+        room = front.loop.max_waiting + front.loop.engine.cache.batch
+        prompts = batch_choices(req, shape.id, batch, limits, room, extra=plan.engine)
     echo = Echo(batch, shape, logprobs is not None) if getattr(req, "echo", False) else None
+    tools = plan.tool_calls(len(prompts))
     events: asyncio.Queue = asyncio.Queue()
     aio = asyncio.get_running_loop()
     front.loop.submit(prompts, lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev), arrived)
@@ -195,18 +202,20 @@ async def _generate(front: Front, request: Request, kind):
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(front, shape, events, index, batch.tokens, include, logprobs is not None, echo),
+            _stream(front, shape, events, index, batch.tokens, include, logprobs is not None, echo, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _whole(front, request, shape, events, index, batch.tokens, echo)
+    return await _whole(front, request, shape, events, index, batch.tokens, echo, tools)
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored, echo):
+async def _stream(
+    front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored, echo, tools
+):
     pending, produced, offsets = dict(index), 0, [0] * len(index)
     echoed: set[int] = set()  # choices whose prompt (echo) went out: the first chunk of each
     try:
@@ -226,9 +235,15 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
                 offsets[i] = len(text)
             logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
             offsets[i] += len(ev.text)
-            if ev.text or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
-                chunk = shape.chunk(i, ev.text, ev.finish_reason, logprobs, False, include_usage, ev.tokens)
-                yield _sse(chunk)
+            text, calls, finish = (
+                tools.delta(i, ev.text, ev.finish_reason) if tools else (ev.text, [], ev.finish_reason)
+            )
+            if text or calls or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
+                parts = [[call] for call in calls] or [[]]  # one tool-call delta per chunk, as OpenAI sends them
+                for k, part in enumerate(parts):
+                    first, last = k == 0, k == len(parts) - 1
+                    extras = (logprobs, False, include_usage, ev.tokens) if first else (None, False, include_usage, ())
+                    yield _sse(shape.chunk(i, text if first else "", finish if last else None, *extras, part))
             if ev.finished:
                 del pending[ev.id]
                 produced += len(ev.completion.tokens)
@@ -240,9 +255,10 @@ async def _stream(front: Front, shape: Shape, events, index: dict, prompt_len: i
             front.loop.abort(list(pending))
 
 
-async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int, echo=None):
+async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int, echo, tools):
     """The whole response once every choice has ended. The connection is looked at every LOOK_S whether events
-    flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end."""
+    flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end.
+    With `tools` each choice's text is parsed into content and tool calls."""
     results = [{"text": "", "tokens": [], "logprobs": [], "finish": None, "prompt": None} for _ in index]
     pending, look = dict(index), time.monotonic() + LOOK_S
     try:
@@ -267,6 +283,8 @@ async def _whole(front: Front, request: Request, shape: Shape, events, index: di
             if ev.finished:
                 r["finish"] = ev.finish_reason
                 del pending[ev.id]
+        for i, r in enumerate(results if tools else ()):
+            r["text"], r["tool_calls"], r["finish"] = tools.whole(i, r["text"], r["finish"])
         body = shape.whole(results, usage(prompt_len, sum(len(r["tokens"]) for r in results)))
         return JSONResponse(echo.whole(body, [r["prompt"] for r in results]) if echo is not None else body)
     finally:

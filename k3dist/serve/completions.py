@@ -74,15 +74,20 @@ def budgets(req: CompletionRequest, batch: Batch, cap: int) -> list[int]:
     return out
 
 
-def batch_choices(req: CompletionRequest, request_id: str, batch: Batch, limits: list[int], room: int) -> list[Prompt]:
-    """Every prompt's choices, prompt-major; refused when they could never all be queued (`room`)."""
+def batch_choices(
+    req: CompletionRequest, request_id: str, batch: Batch, limits: list[int], room: int, extra: dict | None = None
+) -> list[Prompt]:
+    """Every prompt's choices, prompt-major; refused when they could never all be queued (`room`); `extra`: more
+    Prompt fields (logit processors, grammar, stop ids)."""
     count = len(batch.ids) * req.n
     if len(batch.ids) > 1 and count > room:
         raise bad(f"{len(batch.ids)} prompts x n={req.n} = {count} choices can never be queued: {room} fit", "prompt")
     seed, score = draw_seed(req), (req.logprobs if req.echo else None)
     out: list[Prompt] = []
     for i, (ids, max_new) in enumerate(zip(batch.ids, limits, strict=True)):
-        out += choices(req, request_id, ids, max_new, req.logprobs, first=i * req.n, seed=seed, score=score)
+        out += choices(
+            req, request_id, ids, max_new, req.logprobs, first=i * req.n, seed=seed, score=score, extra=extra
+        )
     return out
 
 

@@ -44,6 +44,18 @@ class Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # an extension (vLLM's): token_ids per choice, prompt_token_ids
+    # what shapes the output beyond sampling (fields.py): logit processors, structured outputs; identifiers
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's
+    ignore_eos: bool = False  # vLLM's
+    response_format: dict | None = None
+    structured_outputs: dict | None = None  # vLLM's
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(Sampling):
@@ -60,6 +72,8 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 def parse_body(raw: bytes, model: type[_Body]) -> _Body:
@@ -143,15 +157,25 @@ def draw_seed(req: Sampling) -> int:
 
 
 def choices(
-    req: Sampling, request_id: str, ids: list[int], max_new: int, logprobs, *, first=0, seed=None, score=None
+    req: Sampling,
+    request_id: str,
+    ids: list[int],
+    max_new: int,
+    logprobs,
+    *,
+    first=0,
+    seed=None,
+    score=None,
+    extra: dict | None = None,
 ) -> list[Prompt]:
     """One engine Prompt per choice, numbered from `first` (a batch's prompt i starts at i * n), choice j seeded
     `seed + j` (so a prompt's choices in a batch are those it has alone); `score`: the prompt log-probabilities'
-    k (echo with logprobs), or None."""
+    k (echo with logprobs), or None; `extra`: more Prompt fields (fields.py's plan: logit processors, grammar,
+    stop ids)."""
     seed = draw_seed(req) if seed is None else seed
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     common = dict(ids=tuple(ids), max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p)
-    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs, prompt_logprobs=score)
+    common |= dict(top_k=max(req.top_k, 0), stop=stop, logprobs=logprobs, prompt_logprobs=score) | (extra or {})
     return [
         Prompt(f"{request_id}-{first + i}", seed=(seed + i + INT64) % (2 * INT64) - INT64, **common)
         for i in range(req.n)

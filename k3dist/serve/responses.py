@@ -51,12 +51,14 @@ class Shape:
         }
 
     def whole(self, results: list[dict], usage: dict) -> dict:
-        """The non-streamed response: results[i] = {text, finish_reason, logprobs, tokens} of choice i."""
+        """The non-streamed response: results[i] = {text, finish_reason, logprobs, tokens, tool_calls?} of choice i."""
         choices = []
         for i, r in enumerate(results):
             logprobs = self.logprobs(r["logprobs"], r["tokens"])
             if self.chat:
-                message = {"role": "assistant", "content": r["text"]}
+                message = {"role": "assistant", "content": r["text"]} | (
+                    {"tool_calls": r["tool_calls"]} if r.get("tool_calls") else {}
+                )
                 choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": r["finish"]}
             else:
                 choice = {"index": i, "text": r["text"], "logprobs": logprobs, "finish_reason": r["finish"]}
@@ -64,10 +66,13 @@ class Shape:
         body = self._head("chat.completion" if self.chat else "text_completion") | {"choices": choices, "usage": usage}
         return body | ({"prompt_token_ids": self.prompt_ids} if self.prompt_ids is not None else {})
 
-    def chunk(self, index: int, text: str, finish: str | None, logprobs, first: bool, usage: bool, tokens=()) -> dict:
-        """One streamed piece of choice `index` (the first chat delta carries the role)."""
+    def chunk(
+        self, index: int, text: str, finish: str | None, logprobs, first: bool, usage: bool, tokens=(), tool_calls=()
+    ) -> dict:
+        """One streamed piece of choice `index` (the first chat delta carries the role; `tool_calls`: call deltas)."""
         if self.chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            delta |= {"tool_calls": list(tool_calls)} if tool_calls else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -39,11 +39,12 @@ class TextAssembler:
         """The text so far (after finish(): the final text), cut before the stop string."""
         return "".join(self._printed) + self._held
 
-    def feed(self, ids: Sequence[int]) -> tuple[str, int | None]:
+    def feed(self, ids: Sequence[int], stops: bool = True) -> tuple[str, int | None]:
         """Take tokens in order: (newly printable text, index in `ids` of the token that completed a stop or None).
 
         Tokens after a stop are not consumed; once stopped (or finished) the assembler takes no more tokens.
-        Ids in skip_ids (eos) add no text.
+        Ids in skip_ids (eos) add no text. With `stops` False (a request's first min_tokens tokens) a stop string
+        they complete does not count; one that ends in a later token does.
         """
         if self.stopped or self.finished:
             return "", None
@@ -53,7 +54,7 @@ class TextAssembler:
             if token_id in self._skip:
                 continue
             new = self._decoder.decode(self._tokenizer.decode_bytes([token_id]))
-            if new and self._add(pending, new):
+            if new and self._add(pending, new, stops):
                 return self._print("".join(pending), hold=False), position
         return self._print("".join(pending), hold=True), None
 
@@ -69,13 +70,13 @@ class TextAssembler:
             self._add(pending, new)
         return self._print("".join(pending), hold=False)
 
-    def _add(self, pending: list[str], new: str) -> bool:
+    def _add(self, pending: list[str], new: str, stops: bool = True) -> bool:
         """Append `new` to the pending text; on a completed stop string cut the pending text before it, True."""
         if not self._stops:
             pending.append(new)
             return False
         window = self._tail + new
-        hits = [(i + len(s), i, s) for s in self._stops if (i := window.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self._stops if (i := window.find(s)) >= 0] if stops else []
         if not hits:
             pending.append(new)
             self._tail = window[max(0, len(window) - (self._longest - 1)) :]

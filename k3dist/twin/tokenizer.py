@@ -3,7 +3,9 @@
 No package ships Kimi's vocabulary, so the twin trains a small byte-level BPE with Kimi's pattern on the corpus kept
 next to this file (`tokenizers`' BpeTrainer: about 0.1 s, and the same merges in every process), then fills the rest
 of the base ranks with concatenations of trained tokens: the random model emits every id below vocab_size, so every
-one must decode to text. Kimi's special tokens sit at Kimi's offsets in the last 256 ids.
+one must decode to text. Kimi's special tokens sit at Kimi's offsets in the last 256 ids, its five tool-call tokens
+among them (flagged not special, as Kimi flags them), so the twin's chat template renders tool calls and results the
+way Kimi's does and a server on the twin makes tool calls.
 """
 
 import base64
@@ -18,12 +20,19 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..text.json_tokenizer import byte_level_chars
 from ..text.kimi_bpe import PATTERN, SPECIAL_BLOCK
 
-TWIN_TOKENIZER_VERSION = 1  # part of the twin cache key: bump when the files written here change
+TWIN_TOKENIZER_VERSION = 2  # part of the twin cache key: bump when the files written here change
 CORPUS = Path(__file__).with_name("corpus.txt")
 TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 # Offset in the special block -> token, as in Kimi-Linear's tokenizer_config.json.
 KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 9: "[EOT]"}
 KIMI_SPECIALS |= {10: "<|im_system|>", 17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}
+KIMI_TOOL_TOKENS = {
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+}
 MODEL_MAX_LENGTH = 1_048_576
 
 
@@ -93,8 +102,12 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, eos_token_id, bos_toke
     block = vocab_size - SPECIAL_BLOCK
     tokens = base_tokens(block)
     (out_dir / "tiktoken.model").write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for r, t in enumerate(tokens)))
-    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    added = {str(block + offset): {"content": name, **flags} for offset, name in KIMI_SPECIALS.items()}
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    added = {str(block + offset): {"content": name, **flags, "special": True} for offset, name in KIMI_SPECIALS.items()}
+    added |= {
+        str(block + offset): {"content": name, **flags, "special": False} for offset, name in KIMI_TOOL_TOKENS.items()
+    }
+    added = dict(sorted(added.items(), key=lambda item: int(item[0])))
     tok_config = {
         "added_tokens_decoder": added,
         "bos_token": "[BOS]",

@@ -49,12 +49,13 @@ void scan(const T* row, int64_t begin, int64_t end, int64_t k, Part& p, float* b
   to_float<T>(row + begin, buf, n);
   float kth = -std::numeric_limits<float>::infinity();
   Vec vmax(p.max);
+  const int none_beat = (1 << W) - 1;  // zero_mask() sets a lane's bit where the comparison is false
   for (int64_t j = 0; j < n; j += W) {  // maxima and top k
     const int64_t m = std::min<int64_t>(W, n - j);
     const Vec v = m == W ? Vec::loadu(buf + j) : Vec::loadu(buf + j, m);
     if (m == W) vmax = at::vec::maximum(vmax, v);
     const bool full = static_cast<int64_t>(p.values.size()) == k;
-    if (!full || m < W || (v > Vec(kth)).zero_mask() != 0) {
+    if (!full || m < W || (v > Vec(kth)).zero_mask() != none_beat) {  // some lane beats the k-th value
       for (int64_t i = j; i < j + m; ++i) {
         if (m < W) p.max = std::max(p.max, buf[i]);
         if (static_cast<int64_t>(p.values.size()) < k || buf[i] > kth) {

@@ -1,5 +1,6 @@
-"""The decode step is one static function: no host read inside it, and one compile that holds for every step, on
-real ranks. (Compiled tokens equal eager ones and transformers': tests/dist/test_parity.py.)"""
+"""The decode step is one static function: no host read inside it (logit processors and grammar masks included), and
+one compile that holds for every step, on real ranks. (Compiled tokens equal eager ones and transformers':
+tests/dist/test_parity.py.)"""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3dist.base import dist
 from k3dist.engine.step import DecodeStep
 from k3dist.engine.control import Admit, Window
+from k3dist.engine.logits import NONE, PENALTIES, Processing
 from k3dist.engine.runner import Runner
 from k3dist.kernels.linear import packable
 from k3dist.engine.sampling import GREEDY, SamplingMode
@@ -53,20 +55,32 @@ def model_dir(tmp_path_factory):
     return str(write_checkpoint(small_config(), tmp_path_factory.mktemp("step"), seed=4, dtype="float32"))
 
 
+PROCESSING = Processing(((7, 2.5), (300, -1.0)), 0.3, 0.2, 1.3, 4, (2, 9), grammar=True)
+
+
 def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = False, backend: str = "auto") -> dict:
+    """6 steps as they are, then 6 with logit processors and a grammar mask on every other slot."""
     rt, cfg, model, cache = bind(model_dir, "bfloat16" if packed else "float32", batch, 64, backend=backend, pack=packed)
     dense = dense_layers(model)
-    mode = SamplingMode(sample, sample)
-    step = DecodeStep(model, cache, (mode,))
+    step = DecodeStep(model, cache)
     runner = Runner(step, prefill_chunk=8)
-    admits = tuple(Admit(i, tuple(range(3 + i, 9 + 2 * i)), 0.7 * sample, 0.9) for i in range(batch))
-    runner.admit(admits, Window(admits, mode=mode))  # prefill every slot, outside the step
     reads, ops = HostReads(), SyncOps()
-    with reads, ops:
-        for _ in range(6):
-            step(mode)
+    for process in (NONE, PENALTIES):
+        mode = SamplingMode(sample, sample, process)
+        admits = tuple(
+            Admit(i, tuple(range(3 + i, 9 + 2 * i)), 0.7 * sample, 0.9, processing=PROCESSING if i % 2 else None)
+            for i in range(batch)
+        )
+        masks = tuple(range(1, batch, 2))
+        bitmask = torch.full((len(masks), -(-cfg.vocab_size // 32)), 0x0F0F0F0F, dtype=torch.int32)
+        window = Window(admits, mode=mode, masks=masks, mask_words=bitmask.shape[1], bitmask=bitmask)
+        runner.run(window)  # load the masks, prefill every slot, outside the step
+        with reads, ops:
+            for _ in range(6):
+                step(mode)
+    allowed = all((t % 32) % 8 < 4 for t in step.out_tokens[1::2, :7].flatten().tolist())
     dist.shutdown()
-    return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist(), "dense": dense}
+    return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist(), "dense": dense, "allowed": allowed}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -76,6 +90,7 @@ def test_no_host_sync_inside_the_step(model_dir, world, batch):
         for r in expect_ok(run_ranks(_count_host_reads, world, model_dir, batch, sample)):
             assert r["reads"] == [] and r["ops"] == [], r
             assert r["positions"] == [6 + i + 6 for i in range(batch)]  # each slot at its own position
+            assert r["allowed"]  # the masked slots chose only tokens their masks allow
 
 
 @pytest.mark.skipif(not packable(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")

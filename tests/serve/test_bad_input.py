@@ -1,12 +1,15 @@
 """Bad requests are answered, never crash anything: each of these gets the OpenAI error envelope and its status, a
-full queue gets 503 with Retry-After, and the server answers a good request afterwards with all its slots free."""
+full queue gets 503 with Retry-After, and the server answers a good request afterwards with all its slots free.
+The server here runs a checkpoint whose tokenizer has no tool-call tokens: it refuses tools and serves the rest."""
 
 import asyncio
 import json
+import shutil
 
 import httpx
 import pytest
 
+from k3dist.serve.tools import TOKENS
 from tests.serve.conftest import CAP, SLOTS, _server
 
 KEY = "sekrit"
@@ -14,10 +17,16 @@ KEY = "sekrit"
 
 @pytest.fixture(scope="module")
 def guarded(serve_dir, tmp_path_factory):
-    """A server with an API key, a small body limit and a waiting queue of one."""
+    """A server with an API key, a small body limit and a waiting queue of one, on the checkpoint without tool-call
+    tokens in its tokenizer."""
+    plain = tmp_path_factory.mktemp("plain") / "m"
+    shutil.copytree(serve_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    added = {k: v for k, v in config["added_tokens_decoder"].items() if v["content"] not in TOKENS}
+    (plain / "tokenizer_config.json").write_text(json.dumps(config | {"added_tokens_decoder": added}))
     server = _server(
         tmp_path_factory.mktemp("guard"),
-        serve_dir,
+        plain,
         f"serve.api_key={KEY}",
         "serve.max_body=64KiB",
         "serve.max_waiting=1",
@@ -64,6 +73,54 @@ def _cases(model: str):
         ("bad role", "/chat/completions", role, None, KEY, 400, "role", "messages"),
         ("messages not a list", "/chat/completions", chat | {"messages": "hi"}, None, KEY, 400, "list", "messages"),
         ("lone top_logprobs", "/chat/completions", chat | {"top_logprobs": 2}, None, KEY, 400, "needs", "top_logprobs"),
+        *_output_cases(ok, chat),
+    ]  # fmt: skip
+
+
+def _output_cases(ok: dict, chat: dict) -> list:
+    """Fields that shape the output: each known one honoured or refused (docs/serving.md's table), never dropped."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    so = lambda **kw: {"structured_outputs": kw}  # noqa: E731
+    cases = [  # (name, chat?, fields, a word the message holds, param)
+        ("tools without tool tokens", True, {"tools": [tool]}, "no tool-call tokens", "tools"),
+        ("tool_choice without tools", True, {"tool_choice": "required"}, "needs tools", "tool_choice"),
+        ("unknown response_format", True, {"response_format": {"type": "xml"}}, "xml", "response_format"),
+        ("invalid schema", False, {"response_format": bad_schema}, "not valid", "response_format"),
+        ("invalid regex", False, so(regex="[a-"), "not valid", "structured_outputs"),
+        ("two forms", False, so(regex="a", choice=["b"]), "exactly one", "structured_outputs"),
+        ("form and format", False, so(regex="a") | {"response_format": schema}, "one", "structured_outputs"),
+        ("structural_tag", False, so(structural_tag="{}"), "not supported", "structured_outputs"),
+        ("empty choice", False, so(choice=[]), "not a valid value", "structured_outputs"),
+        ("min_tokens and a grammar", False, {"min_tokens": 2, "response_format": schema}, "grammar", "min_tokens"),
+        ("ignore_eos and a grammar", False, {"ignore_eos": True, "response_format": schema}, "grammar", "ignore_eos"),
+        ("min_tokens past max_tokens", False, {"min_tokens": 5}, "more than max_tokens", "min_tokens"),
+        ("logit_bias key", False, {"logit_bias": {"a": 1}}, "not a token id", "logit_bias"),
+        ("logit_bias range", False, {"logit_bias": {"5": 101}}, "[-100, 100]", "logit_bias"),
+        ("logit_bias size", False, {"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300", "logit_bias"),
+        ("stop_token_ids", False, {"stop_token_ids": [3, 9999]}, "vocabulary", "stop_token_ids"),
+        ("penalty range", False, {"presence_penalty": 2.5}, "less than", "presence_penalty"),
+        ("repetition_penalty zero", False, {"repetition_penalty": 0}, "greater than 0", "repetition_penalty"),
+        ("suffix", False, {"suffix": "end"}, "suffix", "suffix"),
+        ("best_of", False, {"best_of": 3}, "use n", "best_of"),
+        ("functions", True, {"functions": [tool["function"]]}, "use tools", "functions"),
+        ("audio", True, {"audio": {"voice": "x"}}, "audio", "audio"),
+        ("store", True, {"store": True}, "stored", "store"),
+        ("guided_json", False, {"guided_json": {}}, "structured_outputs", "guided_json"),
+        ("min_p", False, {"min_p": 0.1}, "top_p", "min_p"),
+        (
+            "obfuscation",
+            False,
+            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            "obfusc",
+            "stream_options",
+        ),
+    ]
+    path = {True: "/chat/completions", False: "/completions"}
+    return [
+        (name, path[is_chat], (chat if is_chat else ok) | fields, None, KEY, 400, says, param)
+        for name, is_chat, fields, says, param in cases
     ]  # fmt: skip
 
 

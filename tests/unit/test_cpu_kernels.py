@@ -184,6 +184,16 @@ def test_topk_lse_breaks_ties_to_the_lower_id_as_argmax():
     assert lse[1].item() == float("-inf") and torch.isfinite(lse[0])
 
 
+def test_topk_lse_of_a_masked_row():
+    """A grammar mask leaves a run of finite logits after -inf ones: every vector of that run beats the k-th value
+    (still -inf), and must be looked at."""
+    x = torch.full((1, 512), float("-inf"))
+    x[0, 128:192] = torch.linspace(-1, 1, 64)
+    values, ids, lse = cpu_ops.topk_lse(x, 5)
+    assert ids[0].tolist() == list(range(191, 186, -1)) and torch.equal(values, x.topk(5).values)
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1))
+
+
 def _mla_torch(q, latent, lengths, w_kb, w_vb, scale):
     """model/mla.py's torch path after the cache write."""
     dn = w_kb.shape[1]

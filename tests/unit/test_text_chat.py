@@ -23,7 +23,7 @@ MULTI_TURN = [
     {"role": "assistant", "content": "Hello! 有什么可以帮你？"},
     {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]},
     {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]},
-    {"role": "tool", "name": "add", "content": "4"},
+    {"role": "tool", "name": "add", "tool_call_id": "functions.add:0", "content": "4"},
     {"role": "assistant", "content": "It is 4.", "reasoning": "2+2=4", "thinking": None},
 ]
 TOOLS = [
@@ -79,13 +79,26 @@ def test_render_equals_transformers(template, messages, tools):
 
 
 def test_kimi_shape():
-    text = render_chat(KIMI_TEMPLATE, "t.jinja", MULTI_TURN[:2] + MULTI_TURN[4:5], tools=TOOLS)
+    """Kimi's turns, its tool declaration, an assistant's tool calls (numbered across the conversation unless the
+    call has an id; arguments as a string or an object) and a tool result naming the call it answers."""
+    calls = [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "functions.get_weather:7", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}},
+    ]
+    turns = MULTI_TURN[:2] + MULTI_TURN[3:5] + [{"role": "assistant", "content": "Both:", "tool_calls": calls}]
+    text = render_chat(KIMI_TEMPLATE, "t.jinja", turns, tools=TOOLS)
     tools = json.dumps(TOOLS, separators=(",", ":"), ensure_ascii=False)
     assert text == (
         f"<|im_system|>tool_declare<|im_middle|>{tools}<|im_end|>"
         "<|im_user|>user<|im_middle|>Hi, 你好<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|>Hello! 有什么可以帮你？<|im_end|>"
-        "<|im_system|>add<|im_middle|>4<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|>"
+        "<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+        "<|im_end|><|im_system|>add<|im_middle|>## Return of functions.add:0\n4<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Both:<|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        '<|tool_call_begin|>functions.get_weather:7<|tool_call_argument_begin|>{"city":"Rome"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
         "<|im_assistant|>assistant<|im_middle|>"
     )
     no_prompt = render_chat(KIMI_TEMPLATE, "t.jinja", SYSTEM, add_generation_prompt=False)
