@@ -106,17 +106,22 @@ class Engine:
     def _schedule(self, events: list[Event]) -> Window:
         moves, pinned = Moves(), set()
         admitted = self._extensions(moves, pinned)
-        while self.free and self.waiting and len(admitted) < self.admit_per_window:
+        taken: list[Prompt] = []
+        while len(taken) < len(self.free) and self.waiting and len(admitted) + len(taken) < self.admit_per_window:
             p = self.waiting.popleft()
             if p.max_new_tokens == 0:  # no slot, no token: its text is empty (not None) where there is a tokenizer
                 empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
                 events.append(Event(p.id, finish_reason="length", completion=empty))
                 continue
+            taken.append(p)
+        for i, p in enumerate(taken):
             slot = self.free.pop(0)
             assembler = self.make_assembler(p) if self.make_assembler else None
             self.live[slot] = _Live(p, Completion(p.id, list(p.ids)), assembler)
-            restore, saves = self._reuse(p.ids, moves, pinned)
+            restore, saves = self._reuse(p.ids, moves, pinned, [q.ids for q in taken[i + 1 :]])
             admitted.append(Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed, restore, saves))
+        for p in taken if self.prefix is not None else ():
+            self.prefix.remember(p.ids)
         ended, self.ended = tuple(self.ended), []
         drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
         if not self.live:
@@ -132,18 +137,20 @@ class Engine:
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
         return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, **drops)
 
-    def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
+    def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int], beside: list[tuple[int, ...]]):
         """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
-        every `prefix.every` tokens past it and one at its end."""
+        every `prefix.every` tokens past it, one where it branches from a recent prompt or from a prompt admitted
+        `beside` it (which then restores it), and one at its end."""
         if self.prefix is None:
             return None, ()
         hit = self.prefix.lookup(ids)
         start = len(hit.ids) if hit else 0
         if hit:
             pinned.add(hit.id)
+        branch = self.prefix.branch_point(ids, beside)
         saves = []
-        for at in self.prefix.boundaries(len(ids), start):
-            snap = self.prefix.plan(ids[:at], moves, pinned)
+        for at in self.prefix.boundaries(len(ids), start, branch):
+            snap = self.prefix.plan(ids[:at], moves, pinned, branch=at == branch)
             if snap is not None:
                 saves.append((at, snap))
                 pinned.add(snap)
@@ -197,6 +204,7 @@ class Engine:
                 event.finish_reason, event.completion = s.out.finish_reason, self._complete(slot, s, event)
                 if self.prefix is not None:
                     self.extend.append((s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens)))
+                    self.prefix.remember(self.extend[-1][0])
             if event.tokens or event.finished:
                 events.append(event)
         return events

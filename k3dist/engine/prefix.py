@@ -5,13 +5,22 @@ A snapshot is keyed by its exact token ids. Lookup finds the longest snapshot wh
 prompt's prefixes narrows the candidates to the lengths snapshots have, and a candidate is a hit only when every id
 matches. Snapshots are planned here and made by every rank on its own shard (snapshots.py), in the order the window
 record lists them; eviction is least-recently-used by bytes, to the host tier when it has room, else dropped.
+
+Where a prompt is snapshotted: at its end, on the `prefix.every` grid, and at its branch point, the longest prefix it
+shares with a recent prompt or completion (branches.py) that has no snapshot yet, so the next prompt that branches
+there finds one. A branch point closer than MIN_BRANCH_GAP tokens to the snapshot or grid point below it is not
+worth a snapshot (docs/prefix.md says why).
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .branches import BranchMemory, common_prefix
+
 MOD = (1 << 61) - 1
 BASE = 1_000_003
+MIN_BRANCH_GAP = 32  # tokens a branch point must lie past the snapshot or grid point below it
+BRANCH_MEMORY = 8 * 2**20  # bytes of recent prompts' and completions' ids remembered to find branch points
 
 
 def _hashes(ids, lengths: set[int]) -> dict[int, int]:
@@ -40,6 +49,7 @@ class Stats:
     evictions: int = 0  # dropped for good (a move to the host tier is not one)
     demotions: int = 0
     saved: int = 0
+    branches: int = 0  # of the snapshots taken, those at a branch point
 
     def as_dict(self, held: dict) -> dict:
         asked = self.hits + self.misses
@@ -55,9 +65,11 @@ class Moves:
 
 
 class PrefixIndex:
-    def __init__(self, device_bytes: int, host_bytes: int, every: int, nbytes):
-        """`nbytes(length)`: the bytes of one snapshot of `length` tokens on one rank."""
+    def __init__(self, device_bytes: int, host_bytes: int, every: int, nbytes, memory_bytes: int = BRANCH_MEMORY):
+        """`nbytes(length)`: the bytes of one snapshot of `length` tokens on one rank; `memory_bytes`: what the ids
+        remembered to find branch points may take."""
         self.budget = {"device": device_bytes, "host": host_bytes}
+        self.memory = BranchMemory(memory_bytes)
         self.every, self.nbytes = every, nbytes
         self.tiers: dict[str, OrderedDict[int, Entry]] = {"device": OrderedDict(), "host": OrderedDict()}
         self.by_key: dict[tuple[int, int], list[Entry]] = {}
@@ -92,13 +104,25 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ planning
 
-    def boundaries(self, length: int, start: int) -> list[int]:
+    def boundaries(self, length: int, start: int, branch: int = 0) -> list[int]:
         """Where a prompt of `length` tokens prefilled from `start` is snapshotted: every `every` tokens past
-        `start`, and its end."""
+        `start`, at its branch point `branch` when that is worth a snapshot, and at its end."""
         first = (start // self.every + 1) * self.every
-        return [*range(first, length, self.every), length]
+        points = [*range(first, length, self.every), length]
+        below = max(start, branch // self.every * self.every)  # the snapshot or grid point it would save beyond
+        if below + MIN_BRANCH_GAP <= branch < length and branch % self.every:
+            points.insert(sum(p < branch for p in points), branch)
+        return points
 
-    def plan(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]) -> int | None:
+    def branch_point(self, ids: tuple[int, ...], others=()) -> int:
+        """The longest prefix `ids` shares with a remembered prompt or completion, or with one of `others` (prompts
+        admitted beside it)."""
+        return max(self.memory.shared(ids), *(common_prefix(ids, o) for o in others), 0)
+
+    def remember(self, ids: tuple[int, ...]) -> None:
+        self.memory.remember(ids)
+
+    def plan(self, ids: tuple[int, ...], moves: Moves, pinned: set[int], branch: bool = False) -> int | None:
         """A new snapshot of `ids`: its id, with room made in the device pool (evictions into `moves`, never of a
         snapshot in `pinned`), or None when it cannot fit or already exists."""
         nbytes = self.nbytes(len(ids))
@@ -110,6 +134,7 @@ class PrefixIndex:
         entry = Entry(self._next, ids, nbytes)
         self._add(entry)
         self.stats.saved += 1
+        self.stats.branches += branch
         return entry.id
 
     def _make_room(self, tier: str, nbytes: int, moves: Moves, pinned: set[int]) -> bool:
@@ -149,4 +174,5 @@ class PrefixIndex:
 
     def report(self) -> dict:
         held = {"bytes_held": self.held["device"] + self.held["host"], "snapshots": sum(map(len, self.tiers.values()))}
+        held |= {"remembered": len(self.memory), "remembered_bytes": self.memory.held}
         return self.stats.as_dict(held | {"device_bytes": self.held["device"], "host_bytes": self.held["host"]})

@@ -100,7 +100,8 @@ class Runner:
 
     def _prefill(self, items: list[Admit], window: Window) -> None:
         """Prefill same-length prompts (one, if it starts from a snapshot) in chunks that end on multiples of
-        `prefill_chunk`, so a prompt restored at a chunk boundary runs exactly the chunks it would have from 0."""
+        `prefill_chunk`, so a prompt restored at a chunk boundary runs exactly the chunks it would have from 0, and
+        at every position a snapshot is taken (a branch point inside a chunk splits that chunk in two)."""
         self._reset(items)
         rows = torch.tensor([a.slot for a in items], device=self.device)
         ids = torch.tensor([list(a.ids) for a in items], device=self.device)
@@ -109,8 +110,9 @@ class Runner:
             at, saved = self.snapshots.restore(items[0].restore, items[0].slot)
             logits = saved.unsqueeze(0)
         saves = [dict(a.saves) for a in items]
+        stops = sorted({p for wanted in saves for p in wanted})
         while at < length:
-            end = min(length, (at // c + 1) * c)
+            end = min(length, (at // c + 1) * c, *(p for p in stops if p > at))
             logits = self.model.prefill(ids[:, at:end], rows, at)
             for row, (a, wanted) in enumerate(zip(items, saves, strict=True)):
                 if end in wanted:

@@ -25,7 +25,8 @@ class Metrics:
         self.itl = Histogram("k3dist_inter_token_latency_seconds", "Between tokens", buckets=TOKEN_GAPS, registry=r)
         self.e2e = Histogram("k3dist_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY, registry=r)
 
-        prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "evictions", "demotions", "hit_rate")
+        prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "branches", "evictions", "demotions")
+        prefix += ("hit_rate",)
         self.prefix = {k: Gauge(f"k3dist_prefix_{k}", f"Prefix snapshots: {k}", registry=r) for k in prefix}
 
     def prefix_report(self, report: dict | None) -> None:
