@@ -1,22 +1,23 @@
 """The engine, on rank 0: requests in (`add`, `abort`), events out (`step`), over a fixed batch of slots.
 
-`step()` is nano-vllm's: schedule, run, postprocess. Schedule gives waiting requests the free slots and sizes the
-window (at most `decode.sync_every` steps, fewer when a slot reaches its budget sooner); the window goes to every
-rank (control.py) and every rank runs it (runner.py); postprocess reads the new tokens once, ends sequences at an eos
-id, a stop string or their budget, and frees their slots for the next window. The host looks at the device only
-there. The offline run and the server drive this same engine; the other ranks only follow its records.
+`step()` is nano-vllm's: schedule, run, postprocess. Schedule plans the window's prefill (admission.py: newcomers
+take free slots, long prompts go in pieces within a token budget) and sizes its decode (at most `decode.sync_every`
+steps, fewer when a slot reaches its budget sooner); the window goes to every rank (control.py) and every rank runs
+it (runner.py); postprocess reads the new tokens once, ends sequences at an eos id, a stop string or their budget,
+and frees their slots for the next window. The host looks at the device only there. The offline run and the server
+drive this same engine; the other ranks only follow its records.
 """
 
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..base.errors import K3Error
-from .control import Admit, Channel, Window
-from .prefix import Moves, PrefixIndex
+from .admission import Admission
+from .control import Channel, Window
+from .prefix import PrefixIndex
 from .requests import Completion, Event, Prompt
-from .runner import Runner, prefills_together
+from .runner import Runner
 from .sampling import SamplingMode
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
@@ -41,16 +42,14 @@ class Engine:
         eos_ids: tuple[int, ...] = (),
         make_assembler: Callable | None = None,
         prefix: PrefixIndex | None = None,
+        prefill_budget: int | None = None,
     ):
-        """`prefix`: the index of prefix snapshots (None: no reuse)."""
+        """`prefix`: the index of prefix snapshots (None: no reuse); `prefill_budget`: prompt tokens a window may
+        prefill (None: one prefill chunk)."""
         self.runner, self.channel, self.step_fn = runner, channel, runner.step
-        self.cache, self.prefix = runner.cache, prefix
+        self.cache = runner.cache
         self.sync_every, self.eos, self.make_assembler = sync_every, set(eos_ids), make_assembler
-        # admissions per window: all free slots where they prefill together, else one, so each first token is out
-        # after its own prefill rather than after every prefill of a burst
-        self.admit_per_window = self.cache.batch if prefills_together(runner.device.type) else 1
-        self.extend: list[tuple[int, ...]] = []  # finished requests' prompt + completion ids, to snapshot
-        self.waiting: deque[Prompt] = deque()
+        self.admission = Admission(runner.prefill_chunk, prefill_budget or runner.prefill_chunk, prefix)
         self.live: dict[int, _Live] = {}
         self.free = list(range(self.cache.batch))
         self.ended: list[int] = []  # slots freed since the last window, told to every rank with the next one
@@ -61,11 +60,23 @@ class Engine:
         return self.runner.timings
 
     @property
+    def waiting(self):
+        return self.admission.waiting
+
+    @property
+    def prefix(self) -> PrefixIndex | None:
+        return self.admission.prefix
+
+    @prefix.setter
+    def prefix(self, index: PrefixIndex | None) -> None:
+        self.admission.prefix = index
+
+    @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.live or self.done)
+        return bool(self.waiting or self.live or self.admission.filling or self.done)
 
     def add(self, prompt: Prompt) -> None:
-        """Queue a request; it takes a free slot at the next window."""
+        """Queue a request; it takes a free slot when the prefill budget reaches it."""
         self.waiting.append(prompt)
 
     def abort(self, request_id: str) -> bool:
@@ -75,6 +86,13 @@ class Engine:
                 self.waiting.remove(p)
                 self.done.append(Event(p.id, finish_reason="abort", completion=Completion(p.id, list(p.ids))))
                 return True
+        f = self.admission.filling
+        if f is not None and f.prompt.id == request_id:  # in the middle of its prefill
+            self.admission.forget(f)
+            self.admission.filling = None
+            self._release(f.slot)
+            self.done.append(Event(request_id, finish_reason="abort", completion=Completion(request_id, list(f.ids))))
+            return True
         for slot, s in self.live.items():
             if s.prompt.id == request_id:
                 self._release(slot)
@@ -104,75 +122,34 @@ class Engine:
     # ------------------------------------------------------------------ schedule
 
     def _schedule(self, events: list[Event]) -> Window:
-        moves, pinned = Moves(), set()
-        admitted = self._extensions(moves, pinned)
-        taken: list[Prompt] = []
-        while len(taken) < len(self.free) and self.waiting and len(admitted) + len(taken) < self.admit_per_window:
-            p = self.waiting.popleft()
-            if p.max_new_tokens == 0:  # no slot, no token: its text is empty (not None) where there is a tokenizer
-                empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
-                events.append(Event(p.id, finish_reason="length", completion=empty))
-                continue
-            taken.append(p)
-        for i, p in enumerate(taken):
-            slot = self.free.pop(0)
-            assembler = self.make_assembler(p) if self.make_assembler else None
-            self.live[slot] = _Live(p, Completion(p.id, list(p.ids)), assembler)
-            restore, saves = self._reuse(p.ids, moves, pinned, [q.ids for q in taken[i + 1 :]])
-            admitted.append(Admit(slot, p.ids, p.temperature, p.top_p, p.top_k, p.seed, restore, saves))
-        for p in taken if self.prefix is not None else ():
-            self.prefix.remember(p.ids)
+        def empty(p: Prompt) -> None:  # no slot, no token: its text is empty (not None) where there is a tokenizer
+            events.append(Event(p.id, finish_reason="length", completion=Completion(p.id, list(p.ids), text=text)))
+
+        text = "" if self.make_assembler else None
+        plan = self.admission.plan(self.free, empty)
+        for f in plan.filled:
+            if f.prompt is not None:  # its first token comes out of this window's prefill
+                assembler = self.make_assembler(f.prompt) if self.make_assembler else None
+                self.live[f.slot] = _Live(f.prompt, Completion(f.prompt.id, list(f.ids)), assembler)
         ended, self.ended = tuple(self.ended), []
-        drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
+        record = dict(admit=tuple(plan.admit), prefill=tuple(plan.pieces), ended=ended)
+        record |= dict(drop=tuple(plan.moves.drop), demote=tuple(plan.moves.demote))
         if not self.live:
-            return Window(tuple(admitted), ended, **drops)
+            return Window(**record)
+        emitted = any(f.prompt is not None for f in plan.filled)
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
-        if any(a.emit for a in admitted):  # one step, so the new requests' first tokens are out without delay
-            steps = min(steps, 1)
+        if emitted or self.admission.filling is not None:  # one step: new first tokens are out without delay, and
+            steps = min(steps, 1)  # a prompt prefilled over several windows gets a piece after every step
         rows = active = None
         if self.step_fn.kind == "eager":  # no slot of interest gets past this row or this slot in the window
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps
             rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
             active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
-        return Window(tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, **drops)
-
-    def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int], beside: list[tuple[int, ...]]):
-        """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
-        every `prefix.every` tokens past it, one where it branches from a recent prompt or from a prompt admitted
-        `beside` it (which then restores it), and one at its end."""
-        if self.prefix is None:
-            return None, ()
-        hit = self.prefix.lookup(ids)
-        start = len(hit.ids) if hit else 0
-        if hit:
-            pinned.add(hit.id)
-        branch = self.prefix.branch_point(ids, beside)
-        saves = []
-        for at in self.prefix.boundaries(len(ids), start, branch):
-            snap = self.prefix.plan(ids[:at], moves, pinned, branch=at == branch)
-            if snap is not None:
-                saves.append((at, snap))
-                pinned.add(snap)
-        return (hit.id if hit else None), tuple(saves)
-
-    def _extensions(self, moves: Moves, pinned: set[int]) -> list[Admit]:
-        """Snapshots of finished requests' prompt + completion (the next chat turn starts with it): a free slot
-        restores the request's prompt snapshot and prefills just the completion."""
-        out, pending, self.extend = [], self.extend, []
-        for ids, completion in pending:
-            hit = self.prefix.lookup(ids, count=False)
-            if not self.free or hit is None or len(ids) - len(hit.ids) > completion:
-                continue  # its prompt's snapshot is gone: recomputing all of it is not worth it
-            pinned.add(hit.id)
-            snap = self.prefix.plan(ids, moves, pinned)
-            if snap is not None:
-                pinned.add(snap)
-                out.append(Admit(self.free[0], ids, restore=hit.id, saves=((len(ids), snap),), emit=False))
-        return out
+        return Window(**record, steps=steps, rows=rows, active=active, mode=mode)
 
     def _release(self, slot: int) -> None:
-        del self.live[slot]
+        self.live.pop(slot, None)
         self.free.append(slot)
         self.free.sort()
         self.ended.append(slot)
@@ -203,8 +180,9 @@ class Engine:
                 self._release(slot)
                 event.finish_reason, event.completion = s.out.finish_reason, self._complete(slot, s, event)
                 if self.prefix is not None:
-                    self.extend.append((s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens)))
-                    self.prefix.remember(self.extend[-1][0])
+                    ids = s.prompt.ids + tuple(s.out.tokens)
+                    self.admission.extend.append((ids, len(s.out.tokens)))
+                    self.prefix.remember(ids)
             if event.tokens or event.finished:
                 events.append(event)
         return events

@@ -39,6 +39,7 @@ class Entry:
     ids: tuple[int, ...]
     nbytes: int
     tier: str = "device"  # device, or host (pinned memory; restored host-to-device)
+    ready: bool = True  # False from its planning until the window whose prefill reaches it (never evicted then)
 
 
 @dataclass
@@ -131,16 +132,28 @@ class PrefixIndex:
         if not self._make_room("device", nbytes, moves, pinned):
             return None
         self._next += 1
-        entry = Entry(self._next, ids, nbytes)
+        entry = Entry(self._next, ids, nbytes, ready=False)
         self._add(entry)
         self.stats.saved += 1
         self.stats.branches += branch
         return entry.id
 
+    def made(self, snap_id: int) -> None:
+        """A planned snapshot is scheduled to be taken: from this point of the record on it can be restored."""
+        self._entry(snap_id).ready = True
+
+    def unplan(self, snap_id: int) -> None:
+        """A planned snapshot that will never be taken (its prompt was aborted first): no rank holds it."""
+        self._remove(self._entry(snap_id))
+        self.stats.saved -= 1
+
+    def _entry(self, snap_id: int) -> Entry:
+        return self.tiers["device"].get(snap_id) or self.tiers["host"][snap_id]
+
     def _make_room(self, tier: str, nbytes: int, moves: Moves, pinned: set[int]) -> bool:
         queue = self.tiers[tier]
         while self.held[tier] + nbytes > self.budget[tier]:
-            victim = next((e for e in queue.values() if e.id not in pinned), None)
+            victim = next((e for e in queue.values() if e.id not in pinned and e.ready), None)
             if victim is None:
                 return False
             self._remove(victim)

@@ -10,6 +10,7 @@ Terms (each an upper bound of what is alive at once, in bytes):
 - logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
   sampler's sort and noise buffers;
 - outputs: the per-slot token and top-5 buffers the host reads;
+- guard: one slot's KDA state, set aside while a prompt prefilled over several windows sits out the decode steps;
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
 - cpu: an allowance for what the libraries allocate on first use during generation (oneDNN kernels, pools) plus
   a measured growth per prompt token of the batch (allocator fragmentation over long prefills).
@@ -33,11 +34,12 @@ class RuntimeMemory:
     prefill: int
     logits: int
     outputs: int
+    guard: int
     device: int  # cuda: graph pool + workspace; cpu: host allowance
 
     @property
     def total(self) -> int:
-        return self.prefill + self.logits + self.outputs + self.device
+        return self.prefill + self.logits + self.outputs + self.guard + self.device
 
     def as_dict(self) -> dict:
         return asdict(self) | {"total": self.total}
@@ -109,4 +111,6 @@ def runtime_memory(
         device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
-    return RuntimeMemory(prefill, logits, outputs, device)
+    P, H, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim  # one slot's KDA state (cache.py)
+    guard = cfg.count(mixer="kda") * ((cfg.conv_kernel - 1) * 3 * P * s + H * d * d * 4)
+    return RuntimeMemory(prefill, logits, outputs, guard, device)

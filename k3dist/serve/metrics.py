@@ -1,6 +1,6 @@
 """Prometheus metrics of the server (GET /metrics), in a registry of its own: requests running and waiting, slots in
-use, prompt and generation tokens, time to first token, inter-token latency and end-to-end latency, and the prefix
-snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate."""
+use, prompt tokens still to prefill, prompt and generation tokens, time to first token, inter-token latency and
+end-to-end latency, and the prefix snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,6 +16,11 @@ class Metrics:
         self.slots_used = Gauge("k3dist_slots_used", "Slots holding a request", registry=r)
         self.slots_total = Gauge("k3dist_slots_total", "Slots (generate.batch)", registry=r)
         self.slots_total.set(slots)
+        self.prefill_pending = Gauge(
+            "k3dist_prefill_tokens_pending",
+            "Prompt tokens waiting to be prefilled (queued and partly prefilled)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("k3dist_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("k3dist_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("k3dist_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)

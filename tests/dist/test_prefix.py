@@ -58,7 +58,7 @@ def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(model_dir, world):
     turns = [[{"ids": DOC}], [{"ids": DOC[:32] + [3, 4, 5, 6, 7, 8, 9]}, {"ids": DOC[:32] + [300, 2]}]]
-    reused, plain = both(model_dir, turns, world)
+    reused, plain = both(model_dir, turns, world, together=True)  # both runs decode the same slots together
     assert reused[1]["prefix"]["tokens_reused"] == 32 + 32  # each restored at the 32-token chunk boundary
     for g, w in zip(reused[1]["completions"], plain[1]["completions"], strict=True):
         assert g == w  # tokens and top-5 logits, bit for bit

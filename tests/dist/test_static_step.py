@@ -60,7 +60,7 @@ def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = F
     step = DecodeStep(model, cache, (mode,))
     runner = Runner(step, prefill_chunk=8)
     admits = tuple(Admit(i, tuple(range(3 + i, 9 + 2 * i)), 0.7 * sample, 0.9) for i in range(batch))
-    runner.admit(admits, Window(admits, mode=mode))  # prefill every slot, outside the step
+    runner.admit(admits, mode)  # prefill every slot, outside the step
     reads, ops = HostReads(), SyncOps()
     with reads, ops:
         for _ in range(6):
@@ -93,7 +93,7 @@ def _compiled_holds(model_dir: str, steps: int) -> dict:
     step = DecodeStep(model, cache, (GREEDY,), "compile")
     step.warm_up()
     admits = (Admit(0, (5, 9, 2, 7)), Admit(1, (11, 4, 8)))
-    Runner(step, prefill_chunk=8).admit(admits, Window(admits))
+    Runner(step, prefill_chunk=8).admit(admits)
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(steps):
             step()

@@ -159,9 +159,9 @@ def prefix_turns(
     """Turns of requests through the real engine twice, on the same ranks and weights: with prefix snapshots (a
     pool of (device, host) bytes), then without, from an emptied cache. Each turn runs to its end before the next
     is added; a request {"after": i, "then": [ids]} continues request i of the previous turn: its prompt, its
-    completion, then `then` (a chat's next turn). With `together`, a window admits every free slot (as on CUDA) rather
-    than one (as on a CPU). Rank 0 returns (with reuse, without): per turn the completions and the prefix statistics
-    so far; other ranks follow and return None."""
+    completion, then `then` (a chat's next turn). With `together`, a window's prefill budget has no bound, so every
+    free slot is admitted in one window. Rank 0 returns (with reuse, without): per turn the completions and the prefix
+    statistics so far; other ranks follow and return None."""
     from k3dist.engine.engine import follow
     from k3dist.engine.prefix import PrefixIndex
     from k3dist.engine.runner import Runner
@@ -177,7 +177,7 @@ def prefix_turns(
         step.reset()
         engine = local_engine(step, prefill_chunk, 4, (), rt, check_tokens=True)
         if together:
-            engine.admit_per_window = batch
+            engine.admission.budget = 2**30
         if reuse:
             engine.runner = Runner(step, prefill_chunk, snapshots=SnapshotStore(cache))
             engine.prefix = PrefixIndex(*pool, every, size)

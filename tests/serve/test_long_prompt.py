@@ -1,0 +1,75 @@
+"""A long prompt is an ordinary request: with three streams running, a prompt of 16 prefill chunks is admitted and
+prefilled one chunk per window between their decode steps. No stream waits longer than about two chunks and two
+steps for its next token, every stream's greedy tokens are what it gets alone, and the newcomer's time to first
+token stays close to what it is on an idle server."""
+
+import statistics
+import threading
+import time
+
+import pytest
+
+from tests.support.server import Server
+
+CHUNK = 512  # big enough that a chunk's prefill costs well more than a decode step, as with real models
+LONG = [(13 * i) % 480 + 7 for i in range(16 * CHUNK)]
+SHORT = [[5 + k, 9, 2 + k, 7, 3] for k in range(3)]
+STEPS = 300
+
+
+def _stream(server, ids, max_tokens, out: list, started: threading.Event | None = None):
+    c = server.client()
+    stream = c.completions.create(
+        model=server.model,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].token_ids:
+            out.append((time.monotonic(), list(chunk.choices[0].token_ids)))
+            if started is not None and len(out) >= 4:
+                started.set()
+
+
+def _alone(server, ids, max_tokens) -> tuple[list[int], float]:
+    out, start = [], time.monotonic()
+    _stream(server, ids, max_tokens, out)
+    return [t for _, ts in out for t in ts], out[0][0] - start
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def server(request, serve_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"long{request.param}")
+    args = (f"model.path={serve_dir}", "generate.batch=4", "cache.cap=9216", f"generate.prefill_chunk={CHUNK}")
+    chunked = Server(tmp, *args, f"dist.nproc={request.param}")
+    yield chunked
+    chunked.stop()
+
+
+def test_a_long_prompt_never_freezes_the_running_streams(server):
+    alone = [_alone(server, ids, STEPS)[0] for ids in SHORT]
+    idle_ttft = min(_alone(server, LONG, 2)[1] for _ in range(2))
+    runs, threads, ready = [[] for _ in SHORT], [], []
+    for ids, out in zip(SHORT, runs, strict=True):
+        ready.append(threading.Event())
+        threads.append(threading.Thread(target=_stream, args=(server, ids, STEPS, out, ready[-1])))
+        threads[-1].start()
+    for event in ready:
+        assert event.wait(60)
+    sent = time.monotonic()
+    tokens, ttft = _alone(server, LONG, 2)
+    for t in threads:
+        t.join(60)
+    gaps_before = [b[0] - a[0] for out in runs for a, b in zip(out, out[1:], strict=False) if b[0] < sent]
+    step = statistics.median(gaps_before)
+    worst = max(b[0] - a[0] for out in runs for a, b in zip(out, out[1:], strict=False) if b[0] > sent)
+    chunk = idle_ttft / 16
+    print(
+        f"idle TTFT {idle_ttft * 1e3:.1f} ms, chunk {chunk * 1e3:.1f} ms, step {step * 1e3:.1f} ms, worst gap {worst * 1e3:.1f} ms, TTFT {ttft * 1e3:.1f} ms"
+    )
+    assert [[t for _, ts in out for t in ts] for out in runs] == alone
+    assert worst < 2 * chunk + 2 * step, (worst, chunk, step)
+    assert ttft < 1.5 * idle_ttft, (ttft, idle_ttft)
