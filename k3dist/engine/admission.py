@@ -142,9 +142,9 @@ class Admission:
         self.prefix.lookup(ids)  # the hit (or miss) counted, now that it is admitted
         if hit is not None:
             plan.pinned.add(hit.id)
-        saves = []
+        saves, digests = [], self.prefix.digests(ids, points)
         for at in points:
-            snap = self.prefix.plan(ids[:at], plan.moves, plan.pinned, branch=at == branch)
+            snap = self.prefix.plan(ids[:at], plan.moves, plan.pinned, branch=at == branch, digest=digests[at])
             if snap is not None:
                 saves.append((at, snap))
                 plan.pinned.add(snap)

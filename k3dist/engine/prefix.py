@@ -38,6 +38,7 @@ class Entry:
     id: int
     ids: tuple[int, ...]
     nbytes: int
+    digest: int = 0  # the rolling hash of its ids
     tier: str = "device"  # device, or host (pinned memory; restored host-to-device)
     ready: bool = True  # False from its planning until the window whose prefill reaches it (never evicted then)
 
@@ -96,9 +97,14 @@ class PrefixIndex:
             self.stats.misses += 1
         return None
 
-    def has(self, ids: tuple[int, ...]) -> bool:
-        key = (len(ids), _hashes(ids, {len(ids)}).get(len(ids)))
+    def has(self, ids: tuple[int, ...], digest: int | None = None) -> bool:
+        key = (len(ids), _hashes(ids, {len(ids)}).get(len(ids)) if digest is None else digest)
         return any(e.ids == ids for e in self.by_key.get(key, ()))
+
+    @staticmethod
+    def digests(ids: tuple[int, ...], lengths) -> dict[int, int]:
+        """The rolling hashes of several prefixes of `ids` in one pass (for `plan`)."""
+        return _hashes(ids, set(lengths))
 
     def _touch(self, entry: Entry) -> None:
         self.tiers[entry.tier].move_to_end(entry.id)
@@ -123,16 +129,19 @@ class PrefixIndex:
     def remember(self, ids: tuple[int, ...]) -> None:
         self.memory.remember(ids)
 
-    def plan(self, ids: tuple[int, ...], moves: Moves, pinned: set[int], branch: bool = False) -> int | None:
+    def plan(
+        self, ids: tuple[int, ...], moves: Moves, pinned: set[int], branch: bool = False, digest: int | None = None
+    ) -> int | None:
         """A new snapshot of `ids`: its id, with room made in the device pool (evictions into `moves`, never of a
         snapshot in `pinned`), or None when it cannot fit or already exists."""
         nbytes = self.nbytes(len(ids))
-        if nbytes > self.budget["device"] or self.has(ids):
+        digest = _hashes(ids, {len(ids)})[len(ids)] if digest is None else digest
+        if nbytes > self.budget["device"] or self.has(ids, digest):
             return None
         if not self._make_room("device", nbytes, moves, pinned):
             return None
         self._next += 1
-        entry = Entry(self._next, ids, nbytes, ready=False)
+        entry = Entry(self._next, ids, nbytes, digest, ready=False)
         self._add(entry)
         self.stats.saved += 1
         self.stats.branches += branch
@@ -170,14 +179,14 @@ class PrefixIndex:
     def _add(self, entry: Entry) -> None:
         self.tiers[entry.tier][entry.id] = entry
         self.held[entry.tier] += entry.nbytes
-        key = (len(entry.ids), _hashes(entry.ids, {len(entry.ids)})[len(entry.ids)])
+        key = (len(entry.ids), entry.digest)
         self.by_key.setdefault(key, []).append(entry)
         self.lengths[len(entry.ids)] = self.lengths.get(len(entry.ids), 0) + 1
 
     def _remove(self, entry: Entry) -> None:
         del self.tiers[entry.tier][entry.id]
         self.held[entry.tier] -= entry.nbytes
-        key = (len(entry.ids), _hashes(entry.ids, {len(entry.ids)})[len(entry.ids)])
+        key = (len(entry.ids), entry.digest)
         self.by_key[key].remove(entry)
         if not self.by_key[key]:
             del self.by_key[key]
