@@ -1,13 +1,15 @@
 """A long prompt is an ordinary request: with three streams running, a prompt of 16 prefill chunks is admitted and
 prefilled one chunk per window between their decode steps. No stream waits longer than two chunks and two steps for
 its next token, every stream's greedy tokens are what it gets alone, and the newcomer's time to first token stays
-within 1.5x of what it is on an idle server. At world 1 and 2, on a server of its own whose chunk costs well more
+within 1.5x of what it is on an idle server. A client that leaves in the middle of a long prefill frees its slot and
+the prefill it had left at the next window. At world 1 and 2, on a server of its own whose chunk costs well more
 than a decode step (as with real models), with prefix reuse off so that every run prefills the whole prompt."""
 
 import statistics
 import threading
 import time
 
+import httpx
 import pytest
 
 from tests.support.server import Server
@@ -67,3 +69,20 @@ def test_a_long_prompt_never_freezes_the_running_streams(server):
     assert [[t for _, ts in out for t in ts] for out in runs] == alone
     assert worst < 2 * chunk + 2 * step, f"worst gap {worst:.4f} s; chunk {chunk:.4f} s, step {step:.4f} s"
     assert ttft < 1.5 * idle_ttft, f"TTFT {ttft:.3f} s beside three streams; {idle_ttft:.3f} s idle"
+
+
+def test_a_client_leaving_in_the_middle_of_a_long_prefill_frees_its_slot(server):
+    body = {"model": server.model, "prompt": LONG[::-1], "max_tokens": 2, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=httpx.Timeout(30, read=0.05)) as r:
+            r.read()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["k3dist_prefill_tokens_pending"] == 0 and m["k3dist_slots_used"] == 0:
+            break
+        time.sleep(0.02)
+    assert m["k3dist_prefill_tokens_pending"] == 0 and m["k3dist_slots_used"] == 0, m
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    assert 'k3dist_requests_total{finish_reason="abort"} 1.0' in text  # aborted, not run to its end
+    assert _alone(server, SHORT[0], 3)[0]  # and it serves on
