@@ -76,12 +76,13 @@ def main() -> int:
             beside = asyncio.run(mixed(server, shorts, long_ids, args))
             idle = asyncio.run(mixed(server, [], long_ids[::-1], args))["long_ttft"]
             runs.append({"alone": alone, "beside": beside, "idle_ttft": idle})
-            print(f"repeat {rep}: ITL p99 {alone['p99']:.1f} -> {beside['p99']:.1f} ms, max {alone['max']:.1f} "
-                  f"-> {beside['max']:.1f} ms; long TTFT {beside['long_ttft']:.2f} s beside, {idle:.2f} s idle")  # fmt: skip
+            print(f"repeat {rep}: ITL p99 {alone['p99']:.1f} -> {beside['p99']:.1f} ms, "
+                  f"max {alone['max']:.1f} -> {beside['max']:.1f} ms; "
+                  f"long TTFT {beside['long_ttft']:.2f} s beside, {idle:.2f} s idle")  # fmt: skip
     finally:
         server.stop()
     med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
-    itl = lambda load: [f"{med(lambda r: r[load][q]):.1f}" for q in ("p50", "p99", "max")]  # noqa: E731
+    itl = lambda load: [f"{statistics.median(r[load][q] for r in runs):.1f}" for q in ("p50", "p99", "max")]  # noqa: E731
     ttft = f"{med(lambda r: r['beside']['long_ttft']):.2f} s (idle: {med(lambda r: r['idle_ttft']):.2f} s)"
     rows = [[f"{args.streams} streams alone", *itl("alone"), ""],
             [f"{args.streams} streams + one {args.long}-token prompt", *itl("beside"), ttft]]  # fmt: skip
