@@ -1,13 +1,13 @@
 """The control plane: rank 0 decides, every rank follows.
 
 Each window rank 0 sends every other rank one small record over the gloo control group: the requests admitted into
-slots (prompt ids, sampling settings and logit processors), the slots whose requests ended, how many decode steps to
-run, and at the end a shutdown; now and then a record asks every rank for the memory it holds (watch.py). A window
-with grammar-constrained slots sends their token bitmasks right after it, as one int32 tensor (a broadcast on the
-same group), never inside the record. Every rank applies the same records in the same order, so all keep the same
-slot table and run the same steps; generated ids never travel (sampling is identical on every rank). An idle rank 0
-sends an empty record every `heartbeat_s`, so a follower waiting for the next one is never left in a collective that
-times out, however long the server idles.
+slots (prompt ids, sampling settings and logit processors), the pieces of prompts to prefill, the slots whose
+requests ended, how many decode steps to run, and at the end a shutdown; now and then a record asks every rank for
+the memory it holds (watch.py). A window with grammar-constrained slots sends their token bitmasks right after it,
+as one int32 tensor (a broadcast on the same group), never inside the record. Every rank applies the same records
+in the same order, so all keep the same slot table and run the same steps; generated ids never travel (sampling is
+identical on every rank). An idle rank 0 sends an empty record every `heartbeat_s`, so a follower waiting for the
+next one is never left in a collective that times out, however long the server idles.
 """
 
 import json
@@ -29,7 +29,8 @@ log = logging.getLogger("k3dist")
 
 @dataclass(frozen=True)
 class Admit:
-    """A request taking a slot: its prompt and sampling settings (all a rank needs to prefill and sample it)."""
+    """A request taking a slot: its prompt and sampling settings (all a rank needs to prefill and sample it). Its
+    prefill runs in pieces, in this window and maybe later ones (Window.prefill)."""
 
     slot: int
     ids: tuple[int, ...]
@@ -49,6 +50,10 @@ class Window:
     """One window of work, the same on every rank."""
 
     admit: tuple[Admit, ...] = ()
+    # (slot, start, end, new): prompt tokens [start, end) of a slot's prompt to prefill, in this order; `new` takes
+    # the next Admit (its slot is reset and its snapshot restored first); the piece that reaches the prompt's end
+    # emits its first token
+    prefill: tuple[tuple[int, int, int, bool], ...] = ()
     ended: tuple[int, ...] = ()  # slots whose requests finished or were aborted since the last window
     drop: tuple[int, ...] = ()  # prefix snapshots evicted for good ...
     demote: tuple[int, ...] = ()  # ... and moved to host memory, before anything else in the window
@@ -75,6 +80,7 @@ class Window:
         raw["mode"] = SamplingMode(**raw["mode"])
         for key in ("ended", "drop", "demote", "masks"):
             raw[key] = tuple(raw[key])
+        raw["prefill"] = tuple(tuple(p) for p in raw["prefill"])
         return Window(**raw)
 
 
@@ -129,7 +135,7 @@ class Channel:
         """With dist.check_tokens, after every window that ran anything: every rank's generated ids must equal rank
         0's (a checksum of the output buffers, exchanged over the control group); a mismatch ends the run with one
         line."""
-        if not (window.admit or window.steps):
+        if not (window.prefill or window.steps):
             return
         self.windows += 1
         if not self.check_tokens or self.world == 1:

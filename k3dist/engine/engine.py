@@ -1,25 +1,25 @@
 """The engine, on rank 0: requests in (`add`, `abort`), events out (`step`), over a fixed batch of slots.
 
-`step()` is nano-vllm's: schedule, run, postprocess. Schedule gives waiting requests the free slots and sizes the
-window (at most `decode.sync_every` steps, fewer when a slot reaches its budget sooner); the window goes to every
-rank (control.py) and every rank runs it (runner.py); postprocess reads the new tokens once, ends sequences at an eos
-id, a stop string or their budget, and frees their slots for the next window. The host looks at the device only
-there. The offline run and the server drive this same engine; the other ranks only follow its records. Requests
-under a grammar also have their matchers advanced there, and their next masks go out with the next window
-(grammar.py).
+`step()` is nano-vllm's: schedule, run, postprocess. Schedule plans the window's prefill (admission.py: newcomers
+take free slots, long prompts go in pieces within a token budget) and sizes its decode (at most `decode.sync_every`
+steps, fewer when a slot reaches its budget sooner); the window goes to every rank (control.py) and every rank runs
+it (runner.py); postprocess reads the new tokens once, ends sequences at an eos id, a stop string or their budget,
+and frees their slots for the next window. The host looks at the device only there. The offline run and the server
+drive this same engine; the other ranks only follow its records. Requests under a grammar also have their matchers
+advanced there, and their next masks go out with the next window (grammar.py).
 """
 
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..base.errors import K3Error
-from .control import Admit, Channel, Window
+from .admission import Admission
+from .control import Channel, Window
 from .grammar import Masks
-from .prefix import Moves, PrefixIndex
+from .prefix import PrefixIndex
 from .requests import Completion, Event, Prompt
-from .runner import Runner, prefills_together
+from .runner import Runner
 from .sampling import SamplingMode
 from .step import TOP
 from .watch import MemoryWatch
@@ -47,22 +47,20 @@ class Engine:
         make_assembler: Callable | None = None,
         prefix: PrefixIndex | None = None,
         watch: MemoryWatch | None = None,
+        prefill_budget: int | None = None,
     ):
         """`prefix`: the index of prefix snapshots (None: no reuse); `watch`: every rank's memory against its plan,
-        reported with a window now and then (a server's)."""
+        reported with a window now and then (a server's); `prefill_budget`: prompt tokens a window may prefill (None:
+        one prefill chunk)."""
         self.runner, self.channel, self.step_fn = runner, channel, runner.step
-        self.cache, self.prefix, self.watch = runner.cache, prefix, watch
+        self.cache, self.watch = runner.cache, watch
         self.sync_every, self.eos, self.make_assembler = sync_every, set(eos_ids), make_assembler
-        # admissions per window: all free slots where they prefill together, else one, so each first token is out
-        # after its own prefill rather than after every prefill of a burst
-        self.admit_per_window = self.cache.batch if prefills_together(runner.device.type) else 1
-        self.extend: list[tuple[int, ...]] = []  # finished requests' prompt + completion ids, to snapshot
-        self.waiting: deque[Prompt] = deque()
+        self.admission = Admission(runner.prefill_chunk, prefill_budget or runner.prefill_chunk, prefix)
         self.live: dict[int, _Live] = {}
         self.free = list(range(self.cache.batch))
         self.ended: list[int] = []  # slots freed since the last window, told to every rank with the next one
         self.done: list[Event] = []  # requests ended outside a window (aborted while waiting, empty budget)
-        self.scoring: dict[int, Prompt] = {}  # this window's prompts only scored (max_new_tokens 0), by the slot lent
+        self.scoring: dict[int, Prompt] = {}  # prompts only scored (max_new_tokens 0) whose prefill ends in this window
         self.masks = Masks(self.cache.batch, runner.model.cfg.vocab_size)
 
     @property
@@ -70,11 +68,23 @@ class Engine:
         return self.runner.timings
 
     @property
+    def waiting(self):
+        return self.admission.waiting
+
+    @property
+    def prefix(self) -> PrefixIndex | None:
+        return self.admission.prefix
+
+    @prefix.setter
+    def prefix(self, index: PrefixIndex | None) -> None:
+        self.admission.prefix = index
+
+    @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.live or self.done)
+        return bool(self.waiting or self.live or self.admission.filling or self.done)
 
     def add(self, prompt: Prompt) -> None:
-        """Queue a request; it takes a free slot at the next window."""
+        """Queue a request; it takes a free slot when the prefill budget reaches it."""
         self.waiting.append(prompt)
 
     def abort(self, request_id: str) -> bool:
@@ -84,6 +94,13 @@ class Engine:
                 self.waiting.remove(p)
                 self.done.append(Event(p.id, finish_reason="abort", completion=Completion(p.id, list(p.ids))))
                 return True
+        f = self.admission.filling
+        if f is not None and f.prompt.id == request_id:  # in the middle of its prefill
+            self.admission.forget(f)
+            self.admission.filling = None
+            self._release(f.slot)
+            self.done.append(Event(request_id, finish_reason="abort", completion=Completion(request_id, list(f.ids))))
+            return True
         for slot, s in self.live.items():
             if s.prompt.id == request_id:
                 self._release(slot)
@@ -124,39 +141,34 @@ class Engine:
     # ------------------------------------------------------------------ schedule
 
     def _schedule(self, events: list[Event]) -> Window:
-        moves, pinned, constrained = Moves(), set(), False
-        admitted = self._extensions(moves, pinned)
-        self.scoring = {}
-        while self.free and self.waiting and len(admitted) < self.admit_per_window:
-            p = self.waiting.popleft()
-            if p.max_new_tokens == 0 and p.prompt_logprobs is None:  # no slot, no token: its text is empty (not None)
-                empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
-                events.append(Event(p.id, finish_reason="length", completion=empty))
+        def empty(p: Prompt) -> None:  # no slot, no token: its text is empty (not None) where there is a tokenizer
+            events.append(Event(p.id, finish_reason="length", completion=Completion(p.id, list(p.ids), text=text)))
+
+        text = "" if self.make_assembler else None
+        plan = self.admission.plan(self.free, empty)
+        for f in plan.started:
+            if f.prompt.grammar is not None:  # its first token's mask goes out with every window until it comes
+                self.masks.start(f.slot, f.prompt.grammar)
+        self.scoring, constrained = {}, False
+        for f in plan.filled:
+            if f.prompt is None:  # a finished request's snapshot
                 continue
-            slot = self.free.pop(0)
-            if p.max_new_tokens == 0:  # scored only: the slot is lent for this window's prefill, no token chosen
-                self.scoring[slot] = p
-                admitted.append(Admit(slot, p.ids, emit=False, score=p.prompt_logprobs))
+            if f.prompt.max_new_tokens == 0:  # only scored: its slot was lent for its prefill
+                self.scoring[f.slot] = f.prompt
                 continue
-            assembler = self.make_assembler(p) if self.make_assembler else None
-            self.live[slot] = _Live(p, Completion(p.id, list(p.ids)), assembler)
-            # a scored prompt prefills from its first token: a snapshot holds no logits of the positions before it
-            restore, saves = self._reuse(p.ids, moves, pinned) if p.prompt_logprobs is None else (None, ())
-            sampling = (p.temperature, p.top_p, p.top_k, p.seed)
-            admitted.append(
-                Admit(slot, p.ids, *sampling, restore, saves, score=p.prompt_logprobs, processing=p.processing)
-            )
-            if p.grammar is not None:
-                self.masks.start(slot, p.grammar)
-                constrained = True
+            assembler = self.make_assembler(f.prompt) if self.make_assembler else None
+            self.live[f.slot] = _Live(f.prompt, Completion(f.prompt.id, list(f.ids)), assembler)
+            constrained |= f.prompt.grammar is not None  # its first token comes out of this window's prefill
         self.free = sorted(self.free + list(self.scoring))
         ended, self.ended = tuple(self.ended), []
-        drops = dict(drop=tuple(moves.drop), demote=tuple(moves.demote))
+        record = dict(admit=tuple(plan.admit), prefill=tuple(plan.pieces), ended=ended)
+        record |= dict(drop=tuple(plan.moves.drop), demote=tuple(plan.moves.demote)) | self.masks.window()
         if not self.live:
-            return Window(tuple(admitted), ended, **drops)
+            return Window(**record)
+        emitted = any(f.prompt is not None for f in plan.filled)
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
-        if any(a.emit for a in admitted) or self.masks:  # one step: new first tokens out at once; masks fresh
-            steps = min(steps, 1)
+        if emitted or self.admission.filling is not None or self.masks:  # one step: new first tokens are out at once,
+            steps = min(steps, 1)  # a prompt prefilled over several windows gets a piece after every step, masks fresh
         if constrained:  # a new constrained slot's second token needs its first one read (grammar.py)
             steps = 0
         rows = active = None
@@ -166,45 +178,10 @@ class Engine:
             active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
         mode = SamplingMode.covering(s.prompt.mode for s in self.live.values())
         top = max([TOP, *(s.prompt.logprobs or 0 for s in self.live.values())])  # wider only where a slot asks
-        masks = self.masks.window()
-        return Window(
-            tuple(admitted), ended, steps=steps, rows=rows, active=active, mode=mode, top=top, **drops, **masks
-        )
-
-    def _reuse(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]):
-        """(snapshot to restore, snapshots to take) for a prompt: the longest snapshot of a prefix of it, then one
-        every `prefix.every` tokens past it and one at its end."""
-        if self.prefix is None:
-            return None, ()
-        hit = self.prefix.lookup(ids)
-        start = len(hit.ids) if hit else 0
-        if hit:
-            pinned.add(hit.id)
-        saves = []
-        for at in self.prefix.boundaries(len(ids), start):
-            snap = self.prefix.plan(ids[:at], moves, pinned)
-            if snap is not None:
-                saves.append((at, snap))
-                pinned.add(snap)
-        return (hit.id if hit else None), tuple(saves)
-
-    def _extensions(self, moves: Moves, pinned: set[int]) -> list[Admit]:
-        """Snapshots of finished requests' prompt + completion (the next chat turn starts with it): a free slot
-        restores the request's prompt snapshot and prefills just the completion."""
-        out, pending, self.extend = [], self.extend, []
-        for ids, completion in pending:
-            hit = self.prefix.lookup(ids, count=False)
-            if not self.free or hit is None or len(ids) - len(hit.ids) > completion:
-                continue  # its prompt's snapshot is gone: recomputing all of it is not worth it
-            pinned.add(hit.id)
-            snap = self.prefix.plan(ids, moves, pinned)
-            if snap is not None:
-                pinned.add(snap)
-                out.append(Admit(self.free[0], ids, restore=hit.id, saves=((len(ids), snap),), emit=False))
-        return out
+        return Window(**record, steps=steps, rows=rows, active=active, mode=mode, top=top)
 
     def _release(self, slot: int) -> None:
-        del self.live[slot]
+        self.live.pop(slot, None)
         self.masks.end(slot)
         self.free.append(slot)
         self.free.sort()
@@ -240,7 +217,9 @@ class Engine:
                 self._release(slot)
                 event.finish_reason, event.completion = s.out.finish_reason, self._complete(slot, s, event)
                 if self.prefix is not None:
-                    self.extend.append((s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens)))
+                    ids = s.prompt.ids + tuple(s.out.tokens)
+                    self.admission.extend.append((ids, len(s.out.tokens)))
+                    self.prefix.remember(ids)
             if event.tokens or event.finished:
                 events.append(event)
         return events

@@ -5,13 +5,22 @@ A snapshot is keyed by its exact token ids. Lookup finds the longest snapshot wh
 prompt's prefixes narrows the candidates to the lengths snapshots have, and a candidate is a hit only when every id
 matches. Snapshots are planned here and made by every rank on its own shard (snapshots.py), in the order the window
 record lists them; eviction is least-recently-used by bytes, to the host tier when it has room, else dropped.
+
+Where a prompt is snapshotted: at its end, on the `prefix.every` grid, and at its branch point, the longest prefix it
+shares with a recent prompt or completion (branches.py) that has no snapshot yet, so the next prompt that branches
+there finds one. A branch point closer than MIN_BRANCH_GAP tokens to the snapshot or grid point below it is not
+worth a snapshot (docs/prefix.md says why).
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .branches import BranchMemory, common_prefix
+
 MOD = (1 << 61) - 1
 BASE = 1_000_003
+MIN_BRANCH_GAP = 32  # tokens a branch point must lie past the snapshot or grid point below it
+BRANCH_MEMORY = 8 * 2**20  # bytes of recent prompts' and completions' ids remembered to find branch points
 
 
 def _hashes(ids, lengths: set[int]) -> dict[int, int]:
@@ -29,7 +38,9 @@ class Entry:
     id: int
     ids: tuple[int, ...]
     nbytes: int
+    digest: int = 0  # the rolling hash of its ids
     tier: str = "device"  # device, or host (pinned memory; restored host-to-device)
+    ready: bool = True  # False from its planning until the window whose prefill reaches it (never evicted then)
 
 
 @dataclass
@@ -40,6 +51,7 @@ class Stats:
     evictions: int = 0  # dropped for good (a move to the host tier is not one)
     demotions: int = 0
     saved: int = 0
+    branches: int = 0  # of the snapshots taken, those at a branch point
 
     def as_dict(self, held: dict) -> dict:
         asked = self.hits + self.misses
@@ -55,9 +67,11 @@ class Moves:
 
 
 class PrefixIndex:
-    def __init__(self, device_bytes: int, host_bytes: int, every: int, nbytes):
-        """`nbytes(length)`: the bytes of one snapshot of `length` tokens on one rank."""
+    def __init__(self, device_bytes: int, host_bytes: int, every: int, nbytes, memory_bytes: int = BRANCH_MEMORY):
+        """`nbytes(length)`: the bytes of one snapshot of `length` tokens on one rank; `memory_bytes`: what the ids
+        remembered to find branch points may take."""
         self.budget = {"device": device_bytes, "host": host_bytes}
+        self.memory = BranchMemory(memory_bytes)
         self.every, self.nbytes = every, nbytes
         self.tiers: dict[str, OrderedDict[int, Entry]] = {"device": OrderedDict(), "host": OrderedDict()}
         self.by_key: dict[tuple[int, int], list[Entry]] = {}
@@ -83,39 +97,72 @@ class PrefixIndex:
             self.stats.misses += 1
         return None
 
-    def has(self, ids: tuple[int, ...]) -> bool:
-        key = (len(ids), _hashes(ids, {len(ids)}).get(len(ids)))
+    def has(self, ids: tuple[int, ...], digest: int | None = None) -> bool:
+        key = (len(ids), _hashes(ids, {len(ids)}).get(len(ids)) if digest is None else digest)
         return any(e.ids == ids for e in self.by_key.get(key, ()))
+
+    @staticmethod
+    def digests(ids: tuple[int, ...], lengths) -> dict[int, int]:
+        """The rolling hashes of several prefixes of `ids` in one pass (for `plan`)."""
+        return _hashes(ids, set(lengths))
 
     def _touch(self, entry: Entry) -> None:
         self.tiers[entry.tier].move_to_end(entry.id)
 
     # ------------------------------------------------------------------ planning
 
-    def boundaries(self, length: int, start: int) -> list[int]:
+    def boundaries(self, length: int, start: int, branch: int = 0) -> list[int]:
         """Where a prompt of `length` tokens prefilled from `start` is snapshotted: every `every` tokens past
-        `start`, and its end."""
+        `start`, at its branch point `branch` when that is worth a snapshot, and at its end."""
         first = (start // self.every + 1) * self.every
-        return [*range(first, length, self.every), length]
+        points = [*range(first, length, self.every), length]
+        below = max(start, branch // self.every * self.every)  # the snapshot or grid point it would save beyond
+        if below + MIN_BRANCH_GAP <= branch < length and branch % self.every:
+            points.insert(sum(p < branch for p in points), branch)
+        return points
 
-    def plan(self, ids: tuple[int, ...], moves: Moves, pinned: set[int]) -> int | None:
+    def branch_point(self, ids: tuple[int, ...], others=()) -> int:
+        """The longest prefix `ids` shares with a remembered prompt or completion, or with one of `others` (prompts
+        admitted beside it)."""
+        return max(self.memory.shared(ids), *(common_prefix(ids, o) for o in others), 0)
+
+    def remember(self, ids: tuple[int, ...]) -> None:
+        self.memory.remember(ids)
+
+    def plan(
+        self, ids: tuple[int, ...], moves: Moves, pinned: set[int], branch: bool = False, digest: int | None = None
+    ) -> int | None:
         """A new snapshot of `ids`: its id, with room made in the device pool (evictions into `moves`, never of a
         snapshot in `pinned`), or None when it cannot fit or already exists."""
         nbytes = self.nbytes(len(ids))
-        if nbytes > self.budget["device"] or self.has(ids):
+        digest = _hashes(ids, {len(ids)})[len(ids)] if digest is None else digest
+        if nbytes > self.budget["device"] or self.has(ids, digest):
             return None
         if not self._make_room("device", nbytes, moves, pinned):
             return None
         self._next += 1
-        entry = Entry(self._next, ids, nbytes)
+        entry = Entry(self._next, ids, nbytes, digest, ready=False)
         self._add(entry)
         self.stats.saved += 1
+        self.stats.branches += branch
         return entry.id
+
+    def made(self, snap_id: int) -> None:
+        """A planned snapshot is scheduled to be taken: from this point of the record on it can be restored."""
+        self._entry(snap_id).ready = True
+
+    def unplan(self, snap_id: int) -> None:
+        """A planned snapshot that will never be taken (its prompt was aborted first): no rank holds it."""
+        self._remove(self._entry(snap_id))
+        self.stats.saved -= 1
+
+    def _entry(self, snap_id: int) -> Entry:
+        return self.tiers["device"].get(snap_id) or self.tiers["host"][snap_id]
 
     def _make_room(self, tier: str, nbytes: int, moves: Moves, pinned: set[int]) -> bool:
         queue = self.tiers[tier]
         while self.held[tier] + nbytes > self.budget[tier]:
-            victim = next((e for e in queue.values() if e.id not in pinned), None)
+            victim = next((e for e in queue.values() if e.id not in pinned and e.ready), None)
             if victim is None:
                 return False
             self._remove(victim)
@@ -132,14 +179,14 @@ class PrefixIndex:
     def _add(self, entry: Entry) -> None:
         self.tiers[entry.tier][entry.id] = entry
         self.held[entry.tier] += entry.nbytes
-        key = (len(entry.ids), _hashes(entry.ids, {len(entry.ids)})[len(entry.ids)])
+        key = (len(entry.ids), entry.digest)
         self.by_key.setdefault(key, []).append(entry)
         self.lengths[len(entry.ids)] = self.lengths.get(len(entry.ids), 0) + 1
 
     def _remove(self, entry: Entry) -> None:
         del self.tiers[entry.tier][entry.id]
         self.held[entry.tier] -= entry.nbytes
-        key = (len(entry.ids), _hashes(entry.ids, {len(entry.ids)})[len(entry.ids)])
+        key = (len(entry.ids), entry.digest)
         self.by_key[key].remove(entry)
         if not self.by_key[key]:
             del self.by_key[key]
@@ -149,4 +196,5 @@ class PrefixIndex:
 
     def report(self) -> dict:
         held = {"bytes_held": self.held["device"] + self.held["host"], "snapshots": sum(map(len, self.tiers.values()))}
+        held |= {"remembered": len(self.memory), "remembered_bytes": self.memory.held}
         return self.stats.as_dict(held | {"device_bytes": self.held["device"], "host_bytes": self.held["host"]})

@@ -1,21 +1,28 @@
-"""What every rank does with a window record: apply prefix-snapshot evictions, reset and prefill the admitted
-requests' slots (from a prefix snapshot where rank 0 found one, taking the snapshots it asked for), then decode.
+"""What every rank does with a window record: apply prefix-snapshot evictions, prefill the pieces of prompts it lists
+(a new request's slot reset and its prefix snapshot restored first, the snapshots rank 0 asked for taken on the way,
+each prompt's first token emitted after its last piece; a prompt that asks for its log-probabilities scored piece by
+piece, prompt_logprobs.py), then decode.
 
 The same records reach every rank in the same order (control.py), so every rank runs the same prefills and the same
 steps on its own shard and the collectives inside them pair up. Nothing here reads generated tokens: that is rank
-0's business (engine.py). Nothing is ever padded: a prompt only ever touches its own slot's state.
+0's business (engine.py). Nothing is ever padded: a prompt only ever touches its own slot's state. A prompt whose
+prefill spans windows sits in its slot while the others decode: every decode step runs over it too, so its KDA
+state is set aside and put back around the steps, and its position is where its next piece starts (the rows a step
+writes there are written again by that piece).
 """
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from ..base.errors import K3Error
 from ..base.faults import Faults
 from .control import Admit, Window
 from .prompt_logprobs import PromptScores, score
-from .sampling import slot_seed
+from .sampling import GREEDY, SamplingMode, slot_seed
 from .snapshots import SnapshotStore
 from .step import DecodeStep
 
@@ -67,7 +74,12 @@ class Runner:
         self.device = self.cache.positions.device
         self.timings = Timings()
         self.stage = "prefill"  # what the rank is doing: prefill or decode (named in a failure)
-        self.scores: dict[int, PromptScores] = {}  # rank 0: the last window's scored prompts, by slot
+        self.filling: dict[int, list] = {}  # slot -> [its Admit, prompt tokens in it]: prefills not yet done
+        self.restored: dict[int, torch.Tensor] = {}  # slot -> logits of the snapshot it was restored from
+        self.scoring: dict[int, PromptScores] = {}  # slot -> its prompt's positions scored so far
+        self.scores: dict[int, PromptScores] = {}  # rank 0: the prompts scored whole in the last window, by slot
+        kda = {n: t for n, t in self.cache.tensors.items() if n.startswith(("conv.", "state."))}
+        self.guard = {n: torch.empty_like(t[0]) for n, t in kda.items()}  # one slot's KDA state, set aside
 
     def run(self, window: Window) -> None:
         self.scores = {}
@@ -77,86 +89,127 @@ class Runner:
                 self.snapshots.demote(snap)
             for snap in window.drop:
                 self.snapshots.drop(snap)
-        if window.admit:
-            self.admit(window.admit, window)
-        if window.masks:  # after the admissions' resets (a snapshot-only admission may share a slot)
+        for slot in window.ended:  # aborted in the middle of its prefill
+            self.filling.pop(slot, None)
+            self.scoring.pop(slot, None)
+        if window.prefill:
+            self.prefill(window)
+        if window.masks:  # after the prefills' resets (a finished request's snapshot may share a slot)
             self.step.processors.load_masks(window.masks, window.bitmask)
         if window.steps:
             self.decode(window)
 
-    def admit(self, admitted: tuple[Admit, ...], window: Window) -> None:
-        """Reset the slots, restore their prefix snapshots, prefill the rest (same-length fresh prompts together
-        where `prefills_together`), take the snapshots asked for, emit each first token.
+    def admit(self, admitted: tuple[Admit, ...], mode: SamplingMode = GREEDY, **window) -> None:
+        """Prefill `admitted` whole in their chunks, outside any engine (tools and tests that drive a runner);
+        `window`: more Window fields (grammar masks)."""
+        c, pieces = self.prefill_chunk, []
+        for a in admitted:
+            at, new = 0, True
+            while at < len(a.ids):
+                end = min(len(a.ids), (at // c + 1) * c)
+                pieces.append((a.slot, at, end, new))
+                at, new = end, False
+        self.run(Window(admitted, prefill=tuple(pieces), mode=mode, **window))
 
-        Order matters, and is the same on every rank: work that chooses no token (a finished request's snapshots, a
-        prompt only scored) first, then fresh prompts, then those starting from a snapshot, one by one in record
-        order, so a snapshot an earlier admission of this window takes is there for a later one to restore. A prompt
-        that asks for its log-probabilities is scored chunk by chunk as it is prefilled (prompt_logprobs.py)."""
+    def prefill(self, window: Window) -> None:
+        """Run the window's pieces in record order (same-range pieces of several slots as one batch where
+        `prefills_together`), then emit the first token of every prompt whose last piece ran."""
         self.stage = "prefill"
         self.faults.after_load(self.rank, "prefill")
         _sync(self.device)
         start = time.perf_counter()
-        together = prefills_together(self.device.type)
-        extend = [a for a in admitted if not a.emit]
-        fresh = [a for a in admitted if a.emit and a.restore is None]
-        restored = [a for a in admitted if a.emit and a.restore is not None]
-        groups: dict[tuple[int, int | None], list[Admit]] = {}
-        for a in fresh:  # keyed by (length, slot), the slot left out where prompts go together
-            groups.setdefault((len(a.ids), None if together else a.slot), []).append(a)
+        admits, done = iter(window.admit), []
         with torch.inference_mode():
-            for items in [[a] for a in extend] + list(groups.values()) + [[a] for a in restored]:
-                self._prefill(items, window)
+            for group in self._groups(window.prefill):
+                for *_, new in group:
+                    if new:
+                        self._start(next(admits))
+                done += self._piece(group)
+            if done:
+                self._emit(done, window)
         _sync(self.device)
         self.timings.prefill_seconds += time.perf_counter() - start
 
-    def _prefill(self, items: list[Admit], window: Window) -> None:
-        """Prefill same-length prompts (one, if it starts from a snapshot) in chunks that end on multiples of
-        `prefill_chunk`, so a prompt restored at a chunk boundary runs exactly the chunks it would have from 0."""
-        self._reset(items)
-        if masked := [i for i, slot in enumerate(window.masks) if slot in {a.slot for a in items}]:
+    def _emit(self, done: list[tuple[Admit, torch.Tensor]], window: Window) -> None:
+        """The first tokens of the prompts whose prefill this window finished: their processors as at admission
+        (decode steps ran over the slots while they filled), their grammar masks, one emit."""
+        slots = [admit.slot for admit, _ in done]
+        for admit, _ in done:
+            self.step.processors.load(admit.slot, admit.processing, admit.ids)
+        if masked := [i for i, slot in enumerate(window.masks) if slot in slots]:
             self.step.processors.load_masks(tuple(window.masks[i] for i in masked), window.bitmask[masked])
-        rows = torch.tensor([a.slot for a in items], device=self.device)
-        ids = torch.tensor([list(a.ids) for a in items], device=self.device)
-        at, logits, length, c = 0, None, len(items[0].ids), self.prefill_chunk
-        if items[0].restore is not None:
-            at, saved = self.snapshots.restore(items[0].restore, items[0].slot)
-            logits = saved.unsqueeze(0).clone()  # the step may change its logits in place (logits.py)
-        saves = [dict(a.saves) for a in items]
-        scored = {row: PromptScores(a.score) for row, a in enumerate(items) if a.score is not None}
-        while at < length:
-            end = min(length, (at // c + 1) * c)
-            h = self.model.prefill_hidden(ids[:, at:end], rows, at)
-            logits = self.model.logits(h[:, -1])
-            for row, wanted in scored.items():  # positions up to the prompt's last but one score its next token
-                if (n := min(end, length - 1) - at) > 0:
-                    wanted.parts.append(score(self.model, h[row, :n], ids[row, at + 1 : at + 1 + n], wanted.k))
-            del h
-            for row, (a, wanted) in enumerate(zip(items, saves, strict=True)):
-                if end in wanted:
-                    self.snapshots.save(wanted[end], a.slot, end, logits[row])
-            at = end
-        if self.rank == 0:  # the other ranks took part in the gathers; only rank 0 answers
-            self.scores |= {items[row].slot: wanted for row, wanted in scored.items()}
-        self.cache.positions.index_fill_(0, rows, length)
-        if items[0].emit:
-            self.step.emit(logits, rows, window.mode)
+        rows = torch.tensor(slots, device=self.device)
+        self.step.gen.index_fill_(0, rows, 0)
+        self.step.emit(torch.stack([logits for _, logits in done]), rows, window.mode)
 
-    def _reset(self, items: list[Admit]) -> None:
-        """Empty the slots and load their requests' sampling settings and logit processors (host-to-device writes,
-        outside any step).
+    def _groups(self, pieces):
+        """Consecutive pieces of the same token range, prefilled as one batch where that pays (CUDA)."""
+        out = []
+        for piece in pieces:
+            together = out and prefills_together(self.device.type) and piece[1:3] == out[-1][-1][1:3]
+            if together and piece[1] < piece[2]:
+                out[-1].append(piece)
+            else:
+                out.append([piece])
+        return out
 
-        Any integer fits: a top_k past the vocabulary cuts nothing and is the vocabulary, a seed is its low 64 bits."""
+    def _piece(self, group) -> list[tuple[Admit, torch.Tensor]]:
+        """Prefill tokens [start, end) of each slot's prompt; take the snapshots asked for at `end`. Returns (Admit,
+        last logits) of the prompts it finished that emit a token."""
+        _, start, end, _ = group[0]
+        slots = [slot for slot, *_ in group]
+        if start == end:  # restored whole from a snapshot: its stored logits give the first token
+            logits = torch.stack([self.restored.pop(slot) for slot in slots]).clone()  # the step may change them
+        else:
+            rows = torch.tensor(slots, device=self.device)
+            ids = torch.tensor([self.filling[slot][0].ids[start:end] for slot in slots], device=self.device)
+            if not any(slot in self.scoring for slot in slots):
+                logits = self.model.prefill(ids, rows, start)
+            else:  # positions up to a prompt's last but one score its next token (prompt_logprobs.py)
+                h = self.model.prefill_hidden(ids, rows, start)
+                logits = self.model.logits(h[:, -1])
+                for row, slot in enumerate(slots):
+                    prompt, wanted = self.filling[slot][0].ids, self.scoring.get(slot)
+                    if wanted is not None and (n := min(end, len(prompt) - 1) - start) > 0:
+                        following = torch.tensor(prompt[start + 1 : start + 1 + n], device=self.device)
+                        wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
+                del h
+        done = []
+        for row, slot in enumerate(slots):
+            self.restored.pop(slot, None)
+            admit = self.filling[slot][0]
+            self.filling[slot][1] = end
+            wanted = dict(admit.saves)
+            if end in wanted:
+                self.snapshots.save(wanted[end], slot, end, logits[row])
+            if end == len(admit.ids):
+                del self.filling[slot]
+                self.cache.positions[slot] = end
+                if (scored := self.scoring.pop(slot, None)) is not None and self.rank == 0:
+                    self.scores[slot] = scored  # the other ranks took part in the gathers; only rank 0 answers
+                if admit.emit:
+                    done.append((admit, logits[row]))
+        return done
+
+    def _start(self, a: Admit) -> None:
+        """Empty the slot, restore the request's snapshot, load its sampling settings (host-to-device writes, outside
+        any step). Any integer fits: a top_k past the vocabulary cuts nothing, a seed is its low 64 bits."""
         s, vocab = self.step, self.model.cfg.vocab_size
-        for a in items:
-            self.cache.reset_slot(a.slot)
-            s.gen[a.slot] = 0
-            s.temperature[a.slot], s.top_p[a.slot], s.top_k[a.slot], s.seed[a.slot] = (
-                a.temperature,
-                a.top_p,
-                min(a.top_k, vocab),
-                slot_seed(a.seed),
-            )
-            s.processors.load(a.slot, a.processing, a.ids)
+        self.cache.reset_slot(a.slot)
+        s.gen[a.slot] = 0
+        s.temperature[a.slot], s.top_p[a.slot], s.top_k[a.slot], s.seed[a.slot] = (
+            a.temperature,
+            a.top_p,
+            min(a.top_k, vocab),
+            slot_seed(a.seed),
+        )
+        s.processors.load(a.slot, a.processing, a.ids)
+        at = 0
+        if a.restore is not None:
+            at, self.restored[a.slot] = self.snapshots.restore(a.restore, a.slot)
+        self.filling[a.slot] = [a, at]
+        if a.score is not None:
+            self.scoring[a.slot] = PromptScores(a.score)
 
     def decode(self, window: Window) -> None:
         self.stage = "decode"
@@ -165,9 +218,29 @@ class Runner:
         if self.model.threads is not None:  # the CPU's thread governor times steps, not the gaps between windows
             self.model.threads.pause()
         start = time.perf_counter()
-        for _ in range(window.steps):
-            self.step(window.mode)
+        with self._guarded():
+            for _ in range(window.steps):
+                self.step(window.mode)
         _sync(self.device)
         elapsed = time.perf_counter() - start
         self.timings.decode_seconds += elapsed
         self.timings.window_step_seconds.append(elapsed / window.steps)
+
+    @contextmanager
+    def _guarded(self):
+        """A prompt in the middle of its prefill keeps its KDA state across the window's decode steps, and the steps
+        write MLA rows only from where its next piece starts."""
+        filling = list(self.filling.items())
+        if len(filling) > 1:
+            raise K3Error(f"{len(filling)} prompts are partly prefilled at once; the engine keeps it to one")
+        tensors = self.cache.tensors
+        with torch.inference_mode():
+            for slot, (_, at) in filling:
+                for name, kept in self.guard.items():
+                    kept.copy_(tensors[name][slot])
+                self.cache.positions[slot] = at
+        yield
+        with torch.inference_mode():
+            for slot, _ in filling:
+                for name, kept in self.guard.items():
+                    tensors[name][slot].copy_(kept)

@@ -14,6 +14,7 @@ Terms (each an upper bound of what is alive at once, in bytes):
   logits.py), with rank 0's bitmask;
 - scoring (a server): one block of logits of prompt positions being scored, the gathers of its top-k, and the
   scored positions of the prompts a window admits (engine/prompt_logprobs.py);
+- guard: one slot's KDA state, set aside while a prompt prefilled over several windows sits out the decode steps;
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
 - cpu: an allowance for what the libraries allocate on first use during generation (pools, code paged in) plus
   a measured growth per prompt token of the batch (allocator fragmentation over long prefills);
@@ -49,10 +50,11 @@ class RuntimeMemory:
     scoring: int = 0  # prompt log-probabilities (a server)
     kernels: int = 0  # cpu: GEMM primitives the libraries keep
     front: int = 0  # rank 0 of a server: the HTTP side
+    guard: int = 0  # one slot's KDA state, kept while its prompt is prefilled over several windows
 
     @property
     def total(self) -> int:
-        return self.prefill + self.logits + self.outputs + self.device + self.scoring + self.kernels + self.front
+        return sum(v for k, v in asdict(self).items())
 
     def as_dict(self) -> dict:
         return asdict(self) | {"total": self.total}
@@ -134,4 +136,6 @@ def runtime_memory(
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
     kernels = 0 if device_type == "cuda" else cached_primitives() * PRIMITIVE_BYTES
-    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0)
+    P, H, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim  # one slot's KDA state (cache.py)
+    guard = cfg.count(mixer="kda") * ((cfg.conv_kernel - 1) * 3 * P * s + H * d * d * 4)
+    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0, guard)

@@ -21,6 +21,7 @@ from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
 from ..config import ModelConfig, load_config, validate_topology
+from ..engine.prefix import BRANCH_MEMORY
 from ..engine.runtime import runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
 from ..engine.step import TOP, WIDEST, capture_kind
@@ -198,7 +199,8 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     dense = experts_dense(cfg, s.generate.batch, pack, select(s.kernels.backend, rt.device))  # as build_model will
     runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense, serving and rt.is_main)
     reuse = s.run.mode != "load" and s.prefix.on(s.run.mode, s.generate.prompts is not None)
-    pool = (s.prefix.bytes + (s.prefix.host_bytes if rt.device.type == "cpu" else 0)) if reuse else 0
+    host = s.prefix.host_bytes if rt.device.type == "cpu" else 0
+    pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
     store = load_weights(
         inv,
         rt,

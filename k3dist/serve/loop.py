@@ -176,9 +176,11 @@ class EngineLoop:
                 t.sink(ev)
 
     def _gauges(self) -> None:
-        live = len(self.engine.live)
+        filling = self.engine.admission.filling
+        live = len(self.engine.live) + (filling is not None and filling.prompt is not None)
         self.metrics.running.set(live)
         self.metrics.slots_used.set(live)
+        self.metrics.prefill_pending.set(self.engine.admission.pending_tokens)
         self.metrics.waiting.set(len(self.engine.waiting) + self._queued)
         self.metrics.prefix_report(self.engine.prefix.report() if self.engine.prefix else None)
         self.metrics.prefill_seconds.set(self.engine.timings.prefill_seconds)

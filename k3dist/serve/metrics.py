@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (GET /metrics), in a registry of its own: requests running and waiting, slots in
-use, prompt and generation tokens, time to first token, inter-token latency and end-to-end latency, the seconds spent
-in prefill and in decode, the prefix snapshots' hits, misses, tokens reused, bytes held, evictions and hit rate, and
-each rank's memory against its plan (engine/watch.py: alert when `resident - base` nears `admitted`)."""
+use, prompt tokens still to prefill, prompt and generation tokens, time to first token, inter-token latency and
+end-to-end latency, the seconds spent in prefill and in decode, the prefix snapshots' hits, misses, tokens reused,
+bytes held, evictions and hit rate, and each rank's memory against its plan (engine/watch.py: alert when
+`resident - base` nears `admitted`)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,6 +18,11 @@ class Metrics:
         self.slots_used = Gauge("k3dist_slots_used", "Slots holding a request", registry=r)
         self.slots_total = Gauge("k3dist_slots_total", "Slots (generate.batch)", registry=r)
         self.slots_total.set(slots)
+        self.prefill_pending = Gauge(
+            "k3dist_prefill_tokens_pending",
+            "Prompt tokens waiting to be prefilled (queued and partly prefilled)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("k3dist_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("k3dist_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("k3dist_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)
@@ -30,7 +36,8 @@ class Metrics:
         self.prefill_seconds = Gauge("k3dist_prefill_seconds", "Seconds in prefill (rank 0)", registry=r)
         self.decode_seconds = Gauge("k3dist_decode_seconds", "Seconds in decode steps (rank 0)", registry=r)
 
-        prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "evictions", "demotions", "hit_rate")
+        prefix = ("hits", "misses", "tokens_reused", "bytes_held", "snapshots", "branches", "evictions", "demotions")
+        prefix += ("hit_rate",)
         self.prefix = {k: Gauge(f"k3dist_prefix_{k}", f"Prefix snapshots: {k}", registry=r) for k in prefix}
 
         memory = {

@@ -1,6 +1,7 @@
 """Exact prefix reuse on real ranks (fp32, world 1 and 2, two configs): a chat's second turn restored from the first
 turn's snapshot gives the greedy tokens and, within 1e-5, the top-5 logits of the run without reuse; a prompt sharing
-a chunk-aligned prefix with an earlier one gives bit-identical logits; and nothing else is a hit."""
+a chunk-aligned prefix with an earlier one gives bit-identical logits; prompts branching from a shared document
+inside a chunk are snapshotted at the branch point and restored there; and nothing else is a hit."""
 
 import pytest
 
@@ -25,9 +26,9 @@ def model_dir(request, tmp_path_factory):
     return str(write_checkpoint(CONFIGS[request.param], path, seed=21, dtype="float32", tokenizer=False))
 
 
-def both(model_dir, turns, world, batch=2, pool=(2**30, 0)):
+def both(model_dir, turns, world, batch=2, pool=(2**30, 0), every=16, together=False):
     """The same turns with and without reuse: (with, without), rank 0's."""
-    args = (model_dir, turns, batch, 8, 16, "float32", 256, pool)
+    args = (model_dir, turns, batch, 8, every, "float32", 256, pool, together)
     return expect_ok(run_ranks(prefix_turns, world, *args))[0]
 
 
@@ -57,7 +58,7 @@ def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(model_dir, world):
     turns = [[{"ids": DOC}], [{"ids": DOC[:32] + [3, 4, 5, 6, 7, 8, 9]}, {"ids": DOC[:32] + [300, 2]}]]
-    reused, plain = both(model_dir, turns, world)
+    reused, plain = both(model_dir, turns, world, together=True)  # both runs decode the same slots together
     assert reused[1]["prefix"]["tokens_reused"] == 32 + 32  # each restored at the 32-token chunk boundary
     for g, w in zip(reused[1]["completions"], plain[1]["completions"], strict=True):
         assert g == w  # tokens and top-5 logits, bit for bit
@@ -98,3 +99,29 @@ def cfg_dtype():
     import torch
 
     return torch.float32
+
+
+QUESTIONS = [[400 + 7 * q + k for k in range(5)] for q in range(6)]  # six different 5-token questions
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prompts_branching_inside_a_chunk_hit_the_branch_point(model_dir, world):
+    """A 45-token document (the branch point is inside the chunk [40, 48); no grid point before 64) with different
+    questions: the first request is a miss and snapshots only its end, the second learns the branch point and
+    snapshots it, every later one restores it. Then three prompts admitted in one window (as on CUDA) over another
+    document: the first snapshots their common prefix, the other two restore it at once. Every answer equals the
+    run without reuse (tokens; top-5 logits within 1e-5)."""
+    doc = [(37 * i) % 480 + 5 for i in range(45)]
+    other = [(11 * i) % 470 + 9 for i in range(41)]
+    turns = [[{"ids": doc + q}] for q in QUESTIONS[:4]] + [[{"ids": other + q} for q in QUESTIONS[3:]]]
+    reused, plain = both(model_dir, turns, world, batch=3, every=64, together=True)
+    for got, want in zip(reused, plain, strict=True):
+        for g, w in zip(got["completions"], want["completions"], strict=True):
+            assert g["tokens"] == w["tokens"]
+            close(g["top"], w["top"])
+    stats = [r["prefix"] for r in reused]
+    assert [s["hits"] for s in stats] == [0, 0, 1, 2, 4]
+    assert [s["tokens_reused"] for s in stats] == [0, 0, 45, 90, 90 + 41 + 41]
+    assert [s["branches"] for s in stats] == [0, 1, 1, 1, 2]
+    assert stats[0]["snapshots"] == 1  # a prompt sharing nothing with anything: its end, nothing more
+    assert stats[1]["snapshots"] == 1 + 3  # then r1's prompt + completion, r2's branch point and its end

@@ -73,8 +73,7 @@ def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = F
         )
         masks = tuple(range(1, batch, 2))
         bitmask = torch.full((len(masks), -(-cfg.vocab_size // 32)), 0x0F0F0F0F, dtype=torch.int32)
-        window = Window(admits, mode=mode, masks=masks, mask_words=bitmask.shape[1], bitmask=bitmask)
-        runner.run(window)  # load the masks, prefill every slot, outside the step
+        runner.admit(admits, mode, masks=masks, mask_words=bitmask.shape[1], bitmask=bitmask)  # outside the step
         with reads, ops:
             for _ in range(6):
                 step(mode)
@@ -108,7 +107,7 @@ def _compiled_holds(model_dir: str, steps: int) -> dict:
     step = DecodeStep(model, cache, (GREEDY,), "compile")
     step.warm_up()
     admits = (Admit(0, (5, 9, 2, 7)), Admit(1, (11, 4, 8)))
-    Runner(step, prefill_chunk=8).admit(admits, Window(admits))
+    Runner(step, prefill_chunk=8).admit(admits)
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(steps):
             step()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3dist.engine.control import Admit, Window
+from k3dist.engine.control import Admit
 from k3dist.engine.requests import Prompt
 from k3dist.engine.sampling import GREEDY
 from k3dist.engine.step import DecodeStep
@@ -46,7 +46,7 @@ def _run(kind: str, raw: dict, dtype, backend: str, comm=None, sync_check: bool 
     engine = local_engine(step, prefill_chunk=16, sync_every=8, rt=None)
     if sync_check:  # the replays alone, under CUDA's sync debug mode: any host sync raises
         admits = tuple(Admit(i, p.ids) for i, p in enumerate(PROMPTS[:4]))
-        engine.runner.admit(admits, Window(admits))
+        engine.runner.admit(admits)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

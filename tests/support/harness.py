@@ -154,12 +154,14 @@ def prefix_turns(
     dtype: str = "float32",
     cap: int = 256,
     pool: tuple[int, int] = (2**30, 0),
+    together: bool = False,
 ) -> tuple[list[dict], list[dict]] | None:
     """Turns of requests through the real engine twice, on the same ranks and weights: with prefix snapshots (a
     pool of (device, host) bytes), then without, from an emptied cache. Each turn runs to its end before the next
     is added; a request {"after": i, "then": [ids]} continues request i of the previous turn: its prompt, its
-    completion, then `then` (a chat's next turn). Rank 0 returns (with reuse, without): per turn the completions and
-    the prefix statistics so far; other ranks follow and return None."""
+    completion, then `then` (a chat's next turn). With `together`, a window's prefill budget has no bound, so every
+    free slot is admitted in one window. Rank 0 returns (with reuse, without): per turn the completions and the prefix
+    statistics so far; other ranks follow and return None."""
     from k3dist.engine.engine import follow
     from k3dist.engine.prefix import PrefixIndex
     from k3dist.engine.runner import Runner
@@ -174,6 +176,8 @@ def prefix_turns(
     for reuse in (True, False):
         step.reset()
         engine = local_engine(step, prefill_chunk, 4, (), rt, check_tokens=True)
+        if together:
+            engine.admission.budget = 2**30
         if reuse:
             engine.runner = Runner(step, prefill_chunk, snapshots=SnapshotStore(cache))
             engine.prefix = PrefixIndex(*pool, every, size)
