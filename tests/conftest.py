@@ -1,7 +1,8 @@
 """Shared fixtures and the test kinds.
 
-tests/unit (one process), tests/dist (real gloo ranks), tests/cli (launch.py, sweeps, signals), tests/gpu (marker
-`gpu`, skipped without CUDA). Without CUDA, Triton kernels run under Triton's interpreter on the CPU.
+tests/unit (one process), tests/ranks (real gloo ranks), tests/cli (launch.py, sweeps, signals), tests/serve (a real
+server), tests/gpu (marker `gpu`, skipped without CUDA). Tests marked `slow` are left out of the default run (README:
+Tests). Without CUDA, Triton kernels run under Triton's interpreter on the CPU.
 """
 
 import os

@@ -2,8 +2,10 @@
 prefilled one chunk per window between their decode steps. No stream waits longer than two chunks and two steps for
 its next token, every stream's greedy tokens are what it gets alone, and the newcomer's time to first token stays
 within 1.5x of what it is on an idle server. A client that leaves in the middle of a long prefill frees its slot and
-the prefill it had left at the next window. At world 1 and 2, on a server of its own whose chunk costs well more
-than a decode step (as with real models), with prefix reuse off so that every run prefills the whole prompt."""
+the prefill it had left at the next window. At world 1 and 2, on a server of its own with prefix reuse off so that
+every run prefills the whole prompt. Its checkpoint is wide where real models are (the MLPs and experts) and narrow in
+attention, so that as with real models a chunk's cost is its weights' arithmetic, the same at every depth, and well
+more than a decode step; on the toy serving checkpoint the attention over the earlier chunks dominates instead."""
 
 import statistics
 import threading
@@ -12,18 +14,26 @@ import time
 import httpx
 import pytest
 
+from k3dist.twin.checkpoint import write_checkpoint
+from tests.support.configs import small_config
 from tests.support.server import Server
 
-CHUNK = 512
+CHUNK = 256
 LONG = [(13 * i) % 480 + 7 for i in range(16 * CHUNK)]
 SHORT = [[5 + k, 9, 2 + k, 7, 3] for k in range(3)]
-STEPS = 300
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    config = small_config(hidden_size=256, intermediate_size=2048, moe_intermediate_size=512)
+    return write_checkpoint(config, tmp_path_factory.mktemp("wide") / "m", seed=3, dtype="float32")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
-def server(request, serve_dir, tmp_path_factory):
+def server(request, wide_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"long{request.param}")
-    args = (f"model.path={serve_dir}", "generate.batch=4", "cache.cap=9216", f"generate.prefill_chunk={CHUNK}")
+    args = (f"model.path={wide_dir}", "generate.batch=4", "cache.cap=4608", f"generate.prefill_chunk={CHUNK}")
     chunked = Server(tmp, *args, "prefix.enabled=off", f"dist.nproc={request.param}")
     yield chunked
     chunked.stop()
@@ -49,8 +59,25 @@ def _alone(server, ids, max_tokens) -> tuple[list[int], float]:
 
 
 def test_a_long_prompt_never_freezes_the_running_streams(server):
+    """The host is shared, so a round whose timing misses is run once more: a scheduler that froze the streams for
+    the prefill, or starved the prefill, misses in every round; the tokens are checked in every round."""
     alone = [_alone(server, ids, STEPS)[0] for ids in SHORT]
-    idle_ttft = min(_alone(server, LONG, 2)[1] for _ in range(2))
+    for last in (False, True):
+        idle_ttft = min(_alone(server, LONG, 2)[1] for _ in range(2))
+        runs, sent, ttft = _beside_streams(server)
+        assert [[t for _, ts in out for t in ts] for out in runs] == alone
+        gaps = [(b[0], b[0] - a[0]) for out in runs for a, b in zip(out, out[1:], strict=False)]
+        step = statistics.median(gap for at, gap in gaps if at < sent)
+        worst = max(gap for at, gap in gaps if at > sent)
+        chunk = idle_ttft / 16
+        if (worst < 2 * chunk + 2 * step and ttft < 1.5 * idle_ttft) or last:
+            break
+    assert worst < 2 * chunk + 2 * step, f"worst gap {worst:.4f} s; chunk {chunk:.4f} s, step {step:.4f} s"
+    assert ttft < 1.5 * idle_ttft, f"TTFT {ttft:.3f} s beside three streams; {idle_ttft:.3f} s idle"
+
+
+def _beside_streams(server) -> tuple[list[list], float, float]:
+    """Three streams, then the long prompt once they are running: their chunks, when it was sent, and its TTFT."""
     runs, threads, ready = [[] for _ in SHORT], [], []
     for ids, out in zip(SHORT, runs, strict=True):
         ready.append(threading.Event())
@@ -62,27 +89,31 @@ def test_a_long_prompt_never_freezes_the_running_streams(server):
     _, ttft = _alone(server, LONG, 2)
     for t in threads:
         t.join(60)
-    gaps = [(b[0], b[0] - a[0]) for out in runs for a, b in zip(out, out[1:], strict=False)]
-    step = statistics.median(gap for at, gap in gaps if at < sent)
-    worst = max(gap for at, gap in gaps if at > sent)
-    chunk = idle_ttft / 16
-    assert [[t for _, ts in out for t in ts] for out in runs] == alone
-    assert worst < 2 * chunk + 2 * step, f"worst gap {worst:.4f} s; chunk {chunk:.4f} s, step {step:.4f} s"
-    assert ttft < 1.5 * idle_ttft, f"TTFT {ttft:.3f} s beside three streams; {idle_ttft:.3f} s idle"
+    return runs, sent, ttft
 
 
 def test_a_client_leaving_in_the_middle_of_a_long_prefill_frees_its_slot(server):
     body = {"model": server.model, "prompt": LONG[::-1], "max_tokens": 2, "stream": True}
-    with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=httpx.Timeout(30, read=0.05)) as r:
-            r.read()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["k3dist_prefill_tokens_pending"] == 0 and m["k3dist_slots_used"] == 0:
-            break
-        time.sleep(0.02)
-    assert m["k3dist_prefill_tokens_pending"] == 0 and m["k3dist_slots_used"] == 0, m
-    text = httpx.get(f"{server.base}/metrics", timeout=10).text
-    assert 'k3dist_requests_total{finish_reason="abort"} 1.0' in text  # aborted, not run to its end
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30):
+        during = _until(server, lambda m: m["k3dist_prefill_tokens_pending"] > 0)
+    # the client has left with chunks of its prompt still to prefill
+    assert 0 < during["k3dist_prefill_tokens_pending"] < len(LONG), during
+    after = _until(server, lambda m: m["k3dist_prefill_tokens_pending"] == 0 and m["k3dist_slots_used"] == 0)
+    assert after["k3dist_prefill_tokens_pending"] == 0 and after["k3dist_slots_used"] == 0, after
+    ended = _until(server, lambda m: m.get('k3dist_requests_total{finish_reason="abort"}', 0) > 0, labels=True)
+    assert ended.get('k3dist_requests_total{finish_reason="abort"}') == 1, ended  # aborted, not run to its end
     assert _alone(server, SHORT[0], 3)[0]  # and it serves on
+
+
+def _until(server, condition, labels: bool = False, timeout: float = 30) -> dict[str, float]:
+    """The server's metrics once `condition` holds of them (or the last ones read, after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if labels:
+            text = httpx.get(f"{server.base}/metrics", timeout=10).text
+            m = {n: float(v) for n, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in "#")}
+        else:
+            m = server.metrics()
+        if condition(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.01)

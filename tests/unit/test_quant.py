@@ -14,7 +14,7 @@ from k3dist.model.tp import TPComm
 from k3dist.weights.quant_plan import int8_terms, quantized
 from k3dist.weights.tp_plan import plan_rank, store_shapes
 from k3dist.weights.whatif import config_entries
-from tests.dist.test_parity import CONFIGS
+from tests.ranks.test_parity import CONFIGS
 from tests.support.configs import twin_config
 
 

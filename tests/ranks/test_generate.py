@@ -10,6 +10,8 @@ from tests.support.configs import small_config
 from tests.support.harness import generate
 from tests.support.ranks import expect_ok, run_ranks
 
+pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
+
 PROMPTS = [[5, 9, 2, 7, 3], [11, 4, 8, 6, 10], [1, 3, 5, 7, 9]]
 
 

@@ -7,10 +7,8 @@ watched through /proc (processes carrying a unique marker in their environment) 
 import gc
 import json
 import logging
-import os
 import shutil
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -18,18 +16,19 @@ import pytest
 import torch
 
 from k3dist.base import dist
-from k3dist.config import load_config
 from k3dist.base.errors import K3Error
 from k3dist.base.faults import Faults
+from k3dist.config import load_config
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import INDEX, scan
 from k3dist.weights.loader import load_weights
 from k3dist.weights.tp_plan import plan_rank
-from k3dist.twin.checkpoint import write_checkpoint
-
 from tests.support.cli_run import error_lines, run_cli
 from tests.support.configs import small_config
 from tests.support.procs import marked, reap
 from tests.support.ranks import expect_ok, run_ranks
+
+pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
 
 TIMEOUT_S = 3  # dist.timeout_s of the CLI runs: how long a survivor waits on a lost rank
 BOUND = 90  # seconds any one CLI run may take, startup of three Python processes on a busy 2-core box included
@@ -168,9 +167,7 @@ def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
                 "events": [e for e in events.take() if e.startswith("k3_weight_cleanup")],
                 "placed": len({p.dest for p in plans[:index]}),  # store tensors made before the fault fired
                 # ... and on a peer, every store tensor up to the end of that file, whose agreement stops it
-                "placed_by_file": len(
-                    {p.dest for p in plans if files.index(p.file) <= files.index(plans[index].file)}
-                ),
+                "placed_by_file": len({p.dest for p in plans if files.index(p.file) <= files.index(plans[index].file)}),
                 "tensors_before": before,
                 "tensors_after": census(),
             }

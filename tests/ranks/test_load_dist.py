@@ -6,14 +6,15 @@ from safetensors.torch import load_file
 
 from k3dist.base import dist
 from k3dist.config import load_config
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
 from k3dist.weights.tp_plan import plan_rank
-from k3dist.twin.checkpoint import write_checkpoint
-
 from tests.support.cli_run import error_lines, run_cli
 from tests.support.configs import small_config
 from tests.support.ranks import expect_ok, run_ranks
+
+pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,19 @@ largest logit error.
 """
 
 import functools
-from functools import partial
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from k3dist.kernels import cpu_ops
+from k3dist.kernels.linear import packable
 from safetensors.torch import load_file
 
 from k3dist.config import load_config
-from k3dist.kernels.linear import packable
 from k3dist.twin.checkpoint import write_checkpoint
-
 from tests.support.configs import small_config
 from tests.support.harness import generate, teacher_forced
 from tests.support.ranks import expect_ok, run_ranks
@@ -89,7 +88,18 @@ def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
 
 def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, dense_layers=None, backend="auto"):
     out = tmp_path / f"k3-{world}-{dtype}.safetensors"
-    args = (str(model_dir), dtype, prompt.tolist(), tokens.tolist(), str(out), STEPS, "unbiased", "eager", pack, backend)
+    args = (
+        str(model_dir),
+        dtype,
+        prompt.tolist(),
+        tokens.tolist(),
+        str(out),
+        STEPS,
+        "unbiased",
+        "eager",
+        pack,
+        backend,
+    )
     expect_ok(run_ranks(teacher_forced, world, *args))
     got = load_file(out)
     if dense_layers is not None:
@@ -117,11 +127,12 @@ def check_fp32(model_dir, world, tmp_path):
     assert torch.equal(steps.argmax(-1), tokens), f"greedy tokens at world size {world} differ"
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_twin_fp32_matches_transformers(twin_dir, world, tmp_path):
     check_fp32(twin_dir, world, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_small_configs_fp32_match_transformers(small_dirs, name, world, tmp_path):
@@ -132,6 +143,7 @@ def packs() -> bool:
     return packable(torch.bfloat16, torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, batch, pack, backend",
     [(1, 2, False, "auto"), (2, 2, False, "auto"), (1, 8, True, "auto"), (2, 8, True, "torch")],
@@ -171,11 +183,13 @@ def saved_by_transformers(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_checkpoint_written_by_transformers_matches(saved_by_transformers, world, tmp_path):
     check_fp32(saved_by_transformers, world, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_compiled_engine_matches_transformers(small_dirs, world):
     """decode.compile=on through the real engine: the same greedy tokens as transformers, and each step's top-5
@@ -183,7 +197,9 @@ def test_compiled_engine_matches_transformers(small_dirs, world):
     model_dir = str(small_dirs["small"])
     prompt, tokens, ref = reference(model_dir)
     requests = [{"ids": p, "max_new_tokens": STEPS} for p in prompt.tolist()]
-    out = expect_ok(run_ranks(partial(generate, capture="compile"), world, model_dir, requests, len(requests), timeout=600))
+    out = expect_ok(
+        run_ranks(partial(generate, capture="compile"), world, model_dir, requests, len(requests), timeout=600)
+    )
     T, scale = prompt.shape[1], ref.abs().max().item()
     for b, c in enumerate(out[0]):
         assert c["tokens"] == tokens[b].tolist()

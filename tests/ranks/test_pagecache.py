@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from k3dist.base import dist
-from k3dist.config import load_config
 from k3dist.base.faults import Faults
+from k3dist.config import load_config
+from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
 from k3dist.weights.reads import PAGE, read_bytes
 from k3dist.weights.tp_plan import plan_rank
-from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.ranks import expect_ok, run_ranks
 from tests.support.residency import SUPPORTED, evict, resident, write_synced
+
+pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
 
 HOLD_S = 3.0  # rank 1 waits this long before its second file
 

@@ -1,23 +1,25 @@
 """The decode step is one static function: no host read inside it (logit processors and grammar masks included), and
 one compile that holds for every step, on real ranks. (Compiled tokens equal eager ones and transformers':
-tests/dist/test_parity.py.)"""
+tests/ranks/test_parity.py.)"""
 
 import pytest
 import torch
+from k3dist.kernels.linear import packable
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3dist.base import dist
-from k3dist.engine.step import DecodeStep
-from k3dist.engine.control import Admit, Window
+from k3dist.engine.control import Admit
 from k3dist.engine.logits import NONE, PENALTIES, Processing
 from k3dist.engine.runner import Runner
-from k3dist.kernels.linear import packable
 from k3dist.engine.sampling import GREEDY, SamplingMode
+from k3dist.engine.step import DecodeStep
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import bind, dense_layers
 from tests.support.ranks import expect_ok, run_ranks
+
+pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
 
 HOST_READS = {"item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__"}
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "unique_dim", "_to_copy_cpu"}
@@ -60,7 +62,9 @@ PROCESSING = Processing(((7, 2.5), (300, -1.0)), 0.3, 0.2, 1.3, 4, (2, 9), gramm
 
 def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = False, backend: str = "auto") -> dict:
     """6 steps as they are, then 6 with logit processors and a grammar mask on every other slot."""
-    rt, cfg, model, cache = bind(model_dir, "bfloat16" if packed else "float32", batch, 64, backend=backend, pack=packed)
+    rt, cfg, model, cache = bind(
+        model_dir, "bfloat16" if packed else "float32", batch, 64, backend=backend, pack=packed
+    )
     dense = dense_layers(model)
     step = DecodeStep(model, cache)
     runner = Runner(step, prefill_chunk=8)
@@ -79,7 +83,13 @@ def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = F
                 step(mode)
     allowed = all((t % 32) % 8 < 4 for t in step.out_tokens[1::2, :7].flatten().tolist())
     dist.shutdown()
-    return {"reads": reads.seen, "ops": ops.seen, "positions": cache.positions.tolist(), "dense": dense, "allowed": allowed}
+    return {
+        "reads": reads.seen,
+        "ops": ops.seen,
+        "positions": cache.positions.tolist(),
+        "dense": dense,
+        "allowed": allowed,
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -38,6 +38,7 @@ def close(a, b, rtol=1e-5):
         assert all(abs(u - v) <= rtol * max(abs(v), 1e-6) for (_, u), (_, v) in zip(x, y, strict=True)), (x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
     turns = [
@@ -55,6 +56,7 @@ def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
     assert second["tokens_reused"] - first["tokens_reused"] == (40 + 7) + (30 + 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(model_dir, world):
     turns = [[{"ids": DOC}], [{"ids": DOC[:32] + [3, 4, 5, 6, 7, 8, 9]}, {"ids": DOC[:32] + [300, 2]}]]
@@ -64,6 +66,7 @@ def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(model_dir, wor
         assert g == w  # tokens and top-5 logits, bit for bit
 
 
+@pytest.mark.slow
 def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
     changed = DOC[:20] + [999 % 480] + DOC[21:]
     turns = [[{"ids": DOC}], [{"ids": changed}], [{"ids": DOC[:37]}], [{"ids": DOC}]]
@@ -77,12 +80,13 @@ def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
         assert got["completions"] == want["completions"]
 
 
+@pytest.mark.slow
 def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(model_dir):
     """A pool of two 40-token snapshots and a host tier of one: documents come and go, snapshots are demoted and
     dropped on both ranks alike, and every answer stays what it is without reuse."""
-    from k3dist.model.cache import cache_shapes
-    from k3dist.engine.snapshots import snapshot_bytes
     from k3dist.config import load_config
+    from k3dist.engine.snapshots import snapshot_bytes
+    from k3dist.model.cache import cache_shapes
 
     cfg = load_config(model_dir)
     size = snapshot_bytes(cache_shapes(cfg, 2, 1, 1, cfg_dtype()), 40, -(-cfg.vocab_size // 2), 4)

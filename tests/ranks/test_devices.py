@@ -12,6 +12,8 @@ from k3dist.base import dist
 from k3dist.base.errors import K3Error
 from tests.support.ranks import expect_ok, run_ranks
 
+pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
+
 
 def _pretend(visible: int, uuid_of) -> None:
     torch.cuda.is_available = lambda: True
@@ -56,7 +58,9 @@ def test_two_ranks_on_one_gpu_are_refused_on_every_rank(cases):
 def test_a_local_rank_without_a_gpu_is_refused_on_every_rank(cases):
     r0, r1 = cases["missing"]
     assert r0 == r1 and r0["agreed"], (r0, r1)
-    assert r0["error"].startswith("devices failed on 1 of 2 ranks: rank 1: LOCAL_RANK=5 has no GPU: this process sees 2")
+    assert r0["error"].startswith(
+        "devices failed on 1 of 2 ranks: rank 1: LOCAL_RANK=5 has no GPU: this process sees 2"
+    )
 
 
 def test_one_gpu_each_is_accepted(cases):
