@@ -32,10 +32,13 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
     from k3dist.weights.loader import load_weights
+    from k3dist.weights.memory import MemoryTerms
 
     rt = dist.current() or dist.init("gloo", "cpu", 120)
     dtype = getattr(torch, dtype_name)
-    store = load_weights(scan(twin, cfg), rt, dtype, cache_nbytes(cache_shapes(cfg, 1, 1, cap, dtype)), 0)
+    store = load_weights(
+        scan(twin, cfg), rt, dtype, MemoryTerms(cache=cache_nbytes(cache_shapes(cfg, 1, 1, cap, dtype)))
+    )
     cache = HybridCache(cfg, 1, 1, cap, dtype, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
     pack = packable(dtype, rt.device)

@@ -77,7 +77,7 @@ def plan_mismatches(cfg: ModelConfig, world: int, dtype: torch.dtype, plan: list
     `plan` (a result.json's, from the checkpoint headers) when given. Empty when the count is right."""
     from k3dist.weights.whatif import plan_all_ranks
 
-    plans = {"config plan": [p.as_dict() for p in plan_all_ranks(cfg, None, world, dtype, 0, 0, 0)]}
+    plans = {"config plan": [p.as_dict() for p in plan_all_ranks(cfg, None, world, dtype, 0)]}
     if plan:
         plans["run's plan"] = plan
     out = []

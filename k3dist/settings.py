@@ -18,6 +18,7 @@ from .base.units import parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
 MODES = ("generate", "load", "plan", "serve")
+PLANNED = ("generate", "serve", "load")  # the runs run.mode=plan can plan for
 # decode steps between the host's looks: a server streams each token as it comes (benchmarks/serve.py: inter-token
 # latency p50 266 -> 33 ms at concurrency 1, 3% less throughput at 16); an offline run looks less often
 SYNC_SERVE, SYNC_BATCH = 1, 8
@@ -122,6 +123,7 @@ class RunSettings:
     """What the job does: generate, stop after the weights (load), or only plan every rank (plan)."""
 
     mode: str
+    plan_for: str = "generate"  # run.mode=plan: the run planned for (generate, serve or load)
 
 
 @dataclass(frozen=True)
@@ -310,7 +312,7 @@ def parse(job: dict) -> Settings:
             or (SYNC_SERVE if run.values.get("mode") == "serve" else SYNC_BATCH),
         ),
         kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "cpu", "triton"))),
-        run=RunSettings(mode=run.choice("mode", MODES)),
+        run=RunSettings(mode=run.choice("mode", MODES), plan_for=run.choice("plan_for", PLANNED)),
         serve=_serve(serve),
         prefix=_prefix(prefix, gen.values.get("prefill_chunk")),
         out=job.get("out"),

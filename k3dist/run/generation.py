@@ -26,6 +26,7 @@ from ..offline.output import Output
 from ..offline.run import run_offline
 from ..settings import Settings
 from ..weights.memory import start_peak_window, window_peak
+from .plan import RunPlan
 
 
 def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
@@ -62,24 +63,23 @@ def generate(
     rt: dist.Runtime,
     cfg,
     weights,
-    dtype,
-    modes,
-    kind,
-    pack,
+    plan: RunPlan,
+    *,
     text,
     prompts,
     listener,
     model_dir,
-    reuse,
     admitted: list[int],
 ):
-    """`text`, `prompts`: rank 0's (the tokenizer; the offline requests); `listener`: the server's socket; `reuse`:
-    whether prefix snapshots are on; `admitted`: every rank's plan (a server watches its ranks against it)."""
+    """`plan`: the decisions made before the load (run/plan.py); `text`, `prompts`: rank 0's (the tokenizer; the
+    offline requests); `listener`: the server's socket; `admitted`: every rank's plan (a server watches its ranks
+    against it)."""
+    dtype, reuse = plan.dtype, plan.reuse
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
-    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, pack, s.model.quant)
-    step = DecodeStep(model, cache, modes, kind, width=WIDEST if s.run.mode == "serve" else TOP)
+    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, plan.pack, s.model.quant)
+    step = DecodeStep(model, cache, plan.modes, plan.kind, width=WIDEST if plan.serving else TOP)
     runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank, SnapshotStore(cache) if reuse else None)
     channel = Channel(rt, s.dist.check_tokens)
     # rank 0 of a server keeps failing its requests itself when a collective fails; every other rank ends at once
@@ -91,7 +91,7 @@ def generate(
     gc.collect()
     gc.freeze()
     facts = {"warmup_seconds": step.warmup_seconds, "kernels": model.kernels.name, "decode_compile": step.kind}
-    facts |= {"packed_weights": pack, "quant": s.model.quant}
+    facts |= {"packed_weights": plan.pack, "quant": s.model.quant}
     pids = [r["pid"] for r in dist.exchange({"pid": os.getpid()}, rt)] if s.run.mode == "serve" else None
     if not rt.is_main:
         if s.run.mode == "serve":  # a signal here has rank 0 drain the server, which ends this rank too

@@ -21,14 +21,6 @@ from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
 from ..config import ModelConfig, load_config, validate_topology
-from ..engine.prefix import BRANCH_MEMORY
-from ..engine.runtime import runtime_memory
-from ..engine.sampling import ALL_MODES, SamplingMode
-from ..engine.step import TOP, WIDEST, capture_kind
-from ..kernels.backend import select
-from ..kernels.linear import packable
-from ..model.build import experts_dense
-from ..model.cache import cache_nbytes, cache_shapes
 from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
 from ..offline.summary import print_summary
@@ -38,10 +30,10 @@ from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
 from ..weights.memory import detect_free, mark_base, peak_bytes
-from ..weights.quant_plan import int8_terms
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
 from .generation import generate
+from .plan import plan_run
 
 log = logging.getLogger("k3dist")
 
@@ -98,43 +90,23 @@ def measured_memory(device: torch.device, runtime: dict | None) -> dict:
     return out | (runtime or {})
 
 
-def reserve_of(s: Settings, device: torch.device) -> int:
-    from ..weights.memory import default_reserve
-
-    return s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
-
-
-def runtime_of(
-    s: Settings, cfg, world: int, dtype: torch.dtype, device_type: str, longest: int, modes, dense=False, front=False
-):
-    """runtime_bytes for prompts of up to `longest` tokens, sampling `modes`, outputs of a whole cache row (a
-    server's 20 log-probabilities wide, and its prompts scored); `front`: this rank serves HTTP."""
-    g, sample, serving = s.generate, any(m.sample for m in modes), s.run.mode == "serve"
-    args = (cfg, world, g.batch, longest, g.prefill_chunk, s.cache.cap, sample, dtype.itemsize, device_type, dense)
-    top = WIDEST if serving else TOP
-    return runtime_memory(*args, graphs=len(modes), top=top, scoring=serving, front=front)
-
-
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
-    """run.mode=plan: every rank of `dist.world_size` planned here, from the checkpoint headers or the config."""
+    """run.mode=plan: every rank of `dist.world_size` planned here, from the checkpoint headers or the config, for the
+    run `run.plan_for` names: the same run plan (run/plan.py) and so the same figures as that run's."""
     cfg = model_config(s)
     world = s.dist.world_size or rt.world
     validate_topology(cfg, world)
     inv = scan(s.model.path, cfg) if s.model.path else None
-    dtype = s.model.compute_dtype(cfg.dtype)
+    plan = plan_run(s, cfg, world, rt.device)
     free = s.memory.free if s.memory.free is not None else detect_free(rt.device, rt.local_world)
-    cache = cache_nbytes(cache_shapes(cfg, world, s.generate.batch, s.cache.cap, dtype))
-    modes = (SamplingMode.of(s.generate.temperature, s.generate.top_p, s.generate.top_k),)
-    longest = max(1, s.cache.cap - s.generate.max_new_tokens)  # what-if: the longest prompt the cache admits
-    runtime = runtime_of(s, cfg, world, dtype, rt.device.type, longest, modes)
-    reserve = reserve_of(s, rt.device)
-    plans = plan_all_ranks(cfg, inv, world, dtype, cache, reserve, free, runtime.total)
+    plans = plan_all_ranks(cfg, inv, world, plan.dtype, free, plan.terms)
     refused = [p.refusal() for p in plans if not p.fits]
     shapes = [e.shape for e in inv.entries.values()] if inv else list(expected_tensors(cfg).values())
     return base_result(s, rt, cfg, world) | {
         "mode": "plan",
+        "plan_for": plan.run,
         "plan": [p.as_dict() for p in plans],
-        "runtime": runtime.as_dict(),
+        "runtime": plan.runtimes[0].as_dict(),
         "verdict": "refused" if refused else "admitted",
         "refusals": refused,
         "params": sum(math.prod(shape) for shape in shapes),
@@ -179,68 +151,32 @@ def serving_text(model_dir: Path, cap: int) -> TextTools:
 def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     cfg = staged("config", rt, lambda: model_config(s))
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
-    dtype = s.model.compute_dtype(cfg.dtype)
     model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
-    serving = s.run.mode == "serve"
+    plan = plan_run(s, cfg, rt.world, rt.device)  # every rank alike, before anything is loaded
     text, prompts, listener = None, [], None
-    if s.run.mode == "generate":
+    if plan.run == "generate":
         text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))
         prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
-    elif serving:  # the server's text and socket live on rank 0 only; a taken port is refused before the load
+    elif plan.serving:  # the server's text and socket live on rank 0 only; a taken port is refused before the load
         text = staged("tokenizer", rt, lambda: serving_text(model_dir, s.cache.cap) if rt.is_main else None)
         listener = staged("serve", rt, lambda: listen(s.serve.host, s.serve.port) if rt.is_main else None)
-    # what the run may need: a server any sampling mode, every slot up to cache.cap tokens
-    modes = ALL_MODES if serving else (SamplingMode.covering(p.mode for p in prompts),)
-    longest = s.cache.cap if serving else max((len(p.ids) for p in prompts), default=1)
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
-    shapes = cache_shapes(cfg, rt.world, s.generate.batch, s.cache.cap, dtype)
-    kind = capture_kind(s.decode.compile, rt.device)  # every rank alike, before anything is loaded
-    pack = s.run.mode in ("generate", "serve") and kind == "eager" and packable(dtype, rt.device)
-    dense = experts_dense(cfg, s.generate.batch, pack, select(s.kernels.backend, rt.device))  # as build_model will
-    runtime = runtime_of(s, cfg, rt.world, dtype, rt.device.type, longest, modes, dense, serving and rt.is_main)
-    reuse = s.run.mode != "load" and s.prefix.on(s.run.mode, s.generate.prompts is not None)
-    host = s.prefix.host_bytes if rt.device.type == "cpu" else 0
-    pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
+    terms = plan.terms[rt.rank]
     store = load_weights(
-        inv,
-        rt,
-        dtype,
-        cache_nbytes(shapes),
-        reserve_of(s, rt.device),
-        s.memory.free,
-        s.fault,
-        runtime.total,
-        s.memory.drop_page_cache,
-        derived_of(cfg, rt, dtype, pack, dense, s.model.quant),
-        pool,
-        int8_terms(cfg, rt.world, rt.rank, dtype)[0] if s.model.quant == "int8" else 0,
+        inv, rt, plan.dtype, terms, free=s.memory.free, faults=s.fault, drop_page_cache=s.memory.drop_page_cache
     )
     result = base_result(s, rt, cfg, rt.world) | {
         "mode": s.run.mode,
         "model_dir": str(model_dir),
         "plan": store.all_memory,
-        "runtime": runtime.as_dict(),
+        "runtime": plan.runtimes[rt.rank].as_dict(),
         "load_seconds": store.load_seconds,
     }
     if s.run.mode == "load":
         return result
-    front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir, "reuse": reuse}
+    front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir}
     front["admitted"] = [p["admitted"] for p in store.all_memory]
-    return result | generate(s, rt, cfg, store.tensors, dtype, modes, kind, pack, **front)
-
-
-def derived_of(
-    cfg: ModelConfig, rt: dist.Runtime, dtype: torch.dtype, pack: bool, dense: bool, quant: str = "none"
-) -> int:
-    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
-    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
-    int8 (weights/quant_plan.py) makes one int8 copy at a time instead, and the LM head is then not packed."""
-    int8 = int8_terms(cfg, rt.world, rt.rank, dtype)[1] if quant == "int8" else 0
-    if not pack:
-        return int8
-    head = 0 if quant == "int8" else -(-cfg.vocab_size // rt.world) * cfg.hidden_size
-    experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // rt.world) if dense else 0
-    return max(max(head, experts) * dtype.itemsize, int8)
+    return result | generate(s, rt, cfg, store.tensors, plan, **front)
 
 
 def write_result(result: dict, out: str | None) -> None:

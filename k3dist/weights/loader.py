@@ -23,7 +23,7 @@ from ..base.errors import K3Error
 from ..base.faults import Faults
 from ..base.units import fmt_bytes
 from .inventory import Inventory, layout
-from .memory import MemoryPlan, detect_free, memory_plan
+from .memory import WEIGHTS_ONLY, MemoryPlan, MemoryTerms, detect_free, memory_plan
 from .pagecache import PageCache
 from .reads import SLOTS, collector_paused, schedule, staging
 from .tp_plan import ShardPlan, plan_rank, store_shapes
@@ -50,14 +50,9 @@ def preflight(
     inv: Inventory,
     rt: Runtime,
     compute_dtype: torch.dtype,
-    cache: int,
-    runtime: int,
-    reserve: int,
+    terms: MemoryTerms,
     free: int | None,
     faults: Faults,
-    derived: int = 0,
-    prefix: int = 0,
-    saved: int = 0,
 ) -> tuple[list[ShardPlan], MemoryPlan, list[dict]]:
     """Plan this rank, check it fits, and agree with every rank on the verdict and the checkpoint headers.
 
@@ -69,9 +64,9 @@ def preflight(
         free = faults.free
     if free is None:
         free = measured
-    mp = memory_plan(rt.rank, plans, cache, reserve, free, runtime, derived, prefix, saved)
+    mp = memory_plan(rt.rank, plans, free, terms)
     log.info("k3_weight_plan " + " ".join(f"{k}={v}" for k, v in mp.as_dict().items()))
-    lower = "memory.reserve, cache.cap or prefix.bytes" if prefix else "memory.reserve or cache.cap"
+    lower = "memory.reserve, cache.cap or prefix.bytes" if terms.prefix else "memory.reserve or cache.cap"
     statuses = agree(
         "preflight",
         None if mp.fits else f"{mp.refusal()}; lower {lower}, or add ranks",
@@ -337,22 +332,17 @@ def load_weights(
     inv: Inventory,
     rt: Runtime,
     compute_dtype: torch.dtype,
-    cache: int,
-    reserve: int,
+    terms: MemoryTerms = WEIGHTS_ONLY,
+    *,
     free: int | None = None,
     faults: Faults | None = None,
-    runtime: int = 0,
     drop_page_cache: str = "auto",
-    derived: int = 0,
-    prefix: int = 0,
-    saved: int = 0,
 ) -> WeightStore:
     """The whole pipeline after the inventory: preflight + agreement, upload with an agreement per file,
-    post-upload agreement. `reserve` is resolved (the device default when the setting is null)."""
+    post-upload agreement. `terms`: this rank's run plan (run/plan.py); `free`: memory.free, or measured if None."""
     faults = faults or Faults()
     start = time.perf_counter()
-    args = (cache, runtime, reserve, free, faults, derived, prefix, saved)
-    plans, memory, statuses = preflight(inv, rt, compute_dtype, *args)
+    plans, memory, statuses = preflight(inv, rt, compute_dtype, terms, free, faults)
     mine = statuses[rt.rank]
     pages = PageCache(drop_page_cache, rt, mine["node"], sum(s["node"] == mine["node"] for s in statuses))
     all_memory = [s["plan"] for s in statuses]

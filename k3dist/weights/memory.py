@@ -13,6 +13,22 @@ from .tp_plan import ShardPlan
 
 
 @dataclass(frozen=True)
+class MemoryTerms:
+    """A rank's bytes besides its share of the checkpoint and the staging ring, which the tensor plan gives: decided
+    once per run (run/plan.py) and added up here."""
+
+    cache: int = 0  # KDA state + MLA rows for generate.batch x cache.cap
+    runtime: int = 0  # one prefill chunk, logits, outputs, workspaces (engine/runtime.py)
+    derived: int = 0  # copies made while binding: packed or int8 weights, one at a time
+    prefix: int = 0  # the snapshot pool and rank 0's remembered ids
+    saved: int = 0  # what binding gives back (model.quant=int8)
+    reserve: int = 0  # memory.reserve, resolved for the device
+
+
+WEIGHTS_ONLY = MemoryTerms()  # a load with nothing planned beside its weights (tests, benchmarks)
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     rank: int
     source_bytes: int  # checkpoint bytes this rank keeps (its share of the checkpoint)
@@ -63,17 +79,7 @@ class MemoryPlan:
         )
 
 
-def memory_plan(
-    rank: int,
-    plans: list[ShardPlan],
-    cache: int,
-    reserve: int,
-    free: int,
-    runtime: int = 0,
-    derived: int = 0,
-    prefix: int = 0,
-    saved: int = 0,
-) -> MemoryPlan:
+def memory_plan(rank: int, plans: list[ShardPlan], free: int, terms: MemoryTerms = WEIGHTS_ONLY) -> MemoryPlan:
     chunks = schedule(plans)
     slots, slot_bytes = staging(chunks)
     return MemoryPlan(
@@ -83,14 +89,14 @@ def memory_plan(
         local_bytes=sum(p.local_bytes for p in plans),
         replicated_bytes=sum(p.local_bytes for p in plans if p.axis.dim is None),
         staging_peak=slots * slot_bytes,
-        derived_bytes=derived,
-        cache_bytes=cache,
-        runtime_bytes=runtime,
-        prefix_bytes=prefix,
-        reserve=reserve,
+        derived_bytes=terms.derived,
+        cache_bytes=terms.cache,
+        runtime_bytes=terms.runtime,
+        prefix_bytes=terms.prefix,
+        reserve=terms.reserve,
         free=free,
         tensors=len(plans),
-        saved_bytes=saved,
+        saved_bytes=terms.saved,
     )
 
 

@@ -8,7 +8,7 @@ import torch
 from ..base.dtypes import BY_NAME
 from ..config import ModelConfig
 from .inventory import Inventory, TensorEntry
-from .memory import MemoryPlan, memory_plan
+from .memory import WEIGHTS_ONLY, MemoryPlan, MemoryTerms, memory_plan
 from .schema import expected_tensors
 from .tp_plan import plan_rank
 
@@ -24,13 +24,10 @@ def plan_all_ranks(
     inv: Inventory | None,
     world: int,
     compute_dtype: torch.dtype,
-    cache_bytes: int,
-    reserve: int,
     free: int,
-    runtime_bytes: int = 0,
+    terms: tuple[MemoryTerms, ...] | None = None,
 ) -> list[MemoryPlan]:
+    """`terms`: each rank's, from the run plan (run/plan.py); None: the weights alone."""
     entries = list(inv.entries.values()) if inv is not None else config_entries(cfg)
-    return [
-        memory_plan(r, plan_rank(cfg, entries, world, r, compute_dtype), cache_bytes, reserve, free, runtime_bytes)
-        for r in range(world)
-    ]
+    terms = terms or (WEIGHTS_ONLY,) * world
+    return [memory_plan(r, plan_rank(cfg, entries, world, r, compute_dtype), free, terms[r]) for r in range(world)]

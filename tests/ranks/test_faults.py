@@ -74,7 +74,7 @@ def _load_each(dirs_by_variant: dict[str, list[str]]) -> dict[str, dict]:
         model_dir = dirs[rt.rank]
         cfg = load_config(model_dir)
         try:
-            load_weights(scan(model_dir, cfg), rt, torch.float32, 0, 0)
+            load_weights(scan(model_dir, cfg), rt, torch.float32)
             out[variant] = {"error": None}
         except K3Error as exc:
             out[variant] = {"error": str(exc), "agreed": exc.agreed}
@@ -157,7 +157,7 @@ def _fail_each(model_dir: str, cases: list[tuple[str, int, int]]) -> list[dict]:
         census = _weight_objects
         before = census()
         try:
-            load_weights(inv, rt, torch.float32, 0, 0, faults=Faults(rank=rank, **{kind: index}))
+            load_weights(inv, rt, torch.float32, faults=Faults(rank=rank, **{kind: index}))
             error = None
         except K3Error as exc:
             error = str(exc)
@@ -304,7 +304,7 @@ def _fail_with(model_dir: str, cases: list[dict]) -> list[dict]:
     for fault in cases:
         before = _weight_objects()
         try:
-            load_weights(inv, rt, torch.float32, 0, 0, faults=Faults(**fault))
+            load_weights(inv, rt, torch.float32, faults=Faults(**fault))
             error = None
         except K3Error as exc:
             error = str(exc)

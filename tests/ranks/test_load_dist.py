@@ -34,7 +34,7 @@ def _check_shards(model_dir: str) -> int:
     for file in inv.files:
         full |= load_file(f"{model_dir}/{file}")
     for dtype in (torch.float32, torch.bfloat16):
-        store = load_weights(inv, rt, dtype, 0, 0)
+        store = load_weights(inv, rt, dtype)
         for p in store.plans:
             mine = store[p.dest] if p.slot is None else store[p.dest][p.slot]
             if p.row is not None:  # a part of a fused destination (schema.placements)

@@ -44,10 +44,10 @@ def _load(model_dir: str) -> dict:
     logger.setLevel(logging.INFO)
     logger.addHandler(watch)
     faults = Faults(rank=1, hold_at_file=1, delay_s=HOLD_S)
-    load_weights(inv, rt, torch.bfloat16, 0, 0, faults=faults, drop_page_cache="on")
+    load_weights(inv, rt, torch.bfloat16, faults=faults, drop_page_cache="on")
     logger.removeHandler(watch)
     after_on = {f: len(resident(Path(model_dir) / f)) for f in inv.files}
-    load_weights(inv, rt, torch.bfloat16, 0, 0, drop_page_cache="auto")
+    load_weights(inv, rt, torch.bfloat16, drop_page_cache="auto")
     after_auto = {f: len(resident(Path(model_dir) / f)) for f in inv.files}
     mine = read_bytes([p for p in plans if p.file == held]) // PAGE
     dist.shutdown()

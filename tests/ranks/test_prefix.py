@@ -20,7 +20,9 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n != "small" else n for n in sorted(CONFIGS)]
+)
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"prefix-{request.param}")
     return str(write_checkpoint(CONFIGS[request.param], path, seed=21, dtype="float32", tokenizer=False))

@@ -15,6 +15,7 @@ from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
 from k3dist.model.tp import TPComm
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
+from k3dist.weights.memory import MemoryTerms
 
 
 def bind(
@@ -34,7 +35,7 @@ def bind(
     validate_topology(cfg, rt.world)
     inv = scan(model_dir, cfg)
     dt = BY_NAME[dtype].torch
-    store = load_weights(inv, rt, dt, cache_nbytes(cache_shapes(cfg, rt.world, batch, cap, dt)), 0)
+    store = load_weights(inv, rt, dt, MemoryTerms(cache=cache_nbytes(cache_shapes(cfg, rt.world, batch, cap, dt))))
     cache = HybridCache(cfg, rt.world, batch, cap, dt, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     pack = pack and packable(dt, rt.device)

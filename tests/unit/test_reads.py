@@ -123,7 +123,7 @@ def test_the_loader_reads_exactly_read_bytes(small_ckpt, world, rank, dtype):
     cfg = load_config(small_ckpt)
     inv = scan(small_ckpt, cfg)
     plans = plan_rank(cfg, inv.entries.values(), world, rank, dtype)
-    mp = memory_plan(rank, plans, 0, 0, 2**40)
+    mp = memory_plan(rank, plans, 2**40)
     for f in inv.files:
         evict(small_ckpt / f)
     if any(resident(small_ckpt / f) for f in inv.files):
@@ -190,7 +190,7 @@ def test_embedding_is_read_in_row_chunks_and_the_ring_stays_small():
         assert all(a.end == b.begin for a, b in zip(parts, parts[1:], strict=False))
         assert all(p.begin % row == 0 and c.size <= CHUNK for c in chunks for p in c.parts)
         assert len(chunks) == math.ceil(embed.source_bytes / (CHUNK // row * row))
-        mp = memory_plan(0, plans, 0, 0, 2**62)
+        mp = memory_plan(0, plans, 2**62)
         slots, slot_bytes = staging(schedule(plans))
         assert slots == SLOTS and CHUNK - row < slot_bytes <= CHUNK
         assert mp.staging_peak == slots * slot_bytes <= SLOTS * CHUNK
@@ -210,9 +210,9 @@ def test_expert_w2_at_tp8_reads_every_page_of_the_48b():
     whole = sum(math.prod(p.full_shape) * 2 for p in w2)
     assert reads.read_bytes(w2) == whole == 8 * source
     assert all(not c.reads and len(c.spans) == 1 for cs in schedule(w2).values() for c in cs)  # each read whole
-    mp = memory_plan(3, plans, 0, 0, 2**62)
+    mp = memory_plan(3, plans, 2**62)
     assert mp.read_bytes > 3 * mp.source_bytes and mp.read_bytes - whole >= mp.source_bytes - source
-    one = memory_plan(0, plan_rank(cfg, config_entries(cfg), 1, 0, torch.bfloat16), 0, 0, 2**62)
+    one = memory_plan(0, plan_rank(cfg, config_entries(cfg), 1, 0, torch.bfloat16), 2**62)
     assert one.source_bytes <= one.read_bytes < one.source_bytes + one.tensors * PAGE  # world 1: pages rounded
 
 

@@ -138,11 +138,11 @@ def test_plan_figures_of_the_real_48b_config():
     one = plan_rank(cfg, inputs, 1, 0, torch.bfloat16)
     assert len(one) == 20_493
     assert sum(p.numel for p in one) == 49_122_681_728
-    (w1,) = plan_all_ranks(cfg, None, 1, torch.bfloat16, 0, 0, 2**62)
+    (w1,) = plan_all_ranks(cfg, None, 1, torch.bfloat16, 2**62)
     assert w1.tensors == 20_493 and w1.source_bytes == 2 * 49_122_681_728
     assert w1.replicated_bytes > 0 and w1.fits
     for world in (2, 4, 8):
-        plans = plan_all_ranks(cfg, None, world, torch.bfloat16, 0, 0, 2**62)
+        plans = plan_all_ranks(cfg, None, world, torch.bfloat16, 2**62)
         assert [p.rank for p in plans] == list(range(world))
         assert {p.replicated_bytes for p in plans} == {w1.replicated_bytes}
         assert sum(p.local_bytes for p in plans) == w1.local_bytes + (world - 1) * w1.replicated_bytes

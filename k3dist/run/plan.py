@@ -1,0 +1,101 @@
+"""The run plan: every decision a run makes before its load, made once, from the settings, the model config, the
+world and the device alone.
+
+The memory preflight, the loader, the generation and the what-if plan (`run.mode=plan`, for the run named by
+`run.plan_for`) all read one `RunPlan`; none of them decides again. So the what-if answers, rank by rank, with the
+`admitted` and the terms of the run those settings start. Nothing here looks at the prompts themselves: a run plans
+for any prompt its settings admit (up to `cache.cap` less `generate.max_new_tokens`; a server or a prompts file, up
+to `cache.cap`, in any sampling mode).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..engine.prefix import BRANCH_MEMORY
+from ..engine.runtime import RuntimeMemory, runtime_memory
+from ..engine.sampling import ALL_MODES, SamplingMode
+from ..engine.step import TOP, WIDEST, capture_kind
+from ..kernels.backend import select
+from ..kernels.linear import packable
+from ..model.build import experts_dense
+from ..model.cache import cache_nbytes, cache_shapes
+from ..settings import Settings
+from ..weights.memory import MemoryTerms, default_reserve
+from ..weights.quant_plan import int8_terms
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    run: str  # generate, serve or load
+    world: int
+    dtype: torch.dtype  # the compute dtype
+    modes: tuple[SamplingMode, ...]  # sampling modes the step is built for (a CUDA graph each)
+    longest: int  # the longest prompt planned for
+    kind: str  # how the decode step runs: eager, graph or compile
+    pack: bool  # weights packed for oneDNN at bind time
+    dense: bool  # MoE experts held dense (model/build.py)
+    reuse: bool  # prefix snapshots on
+    runtimes: tuple[RuntimeMemory, ...]  # by rank (rank 0 of a server also serves HTTP)
+    terms: tuple[MemoryTerms, ...]  # by rank
+
+    @property
+    def serving(self) -> bool:
+        return self.run == "serve"
+
+
+def plan_run(s: Settings, cfg: ModelConfig, world: int, device: torch.device) -> RunPlan:
+    """The decisions for the run `s` starts (or, for `run.mode=plan`, the run `run.plan_for` names) on `world` ranks
+    of `device`'s kind."""
+    run = s.run.plan_for if s.run.mode == "plan" else s.run.mode
+    g, serving, prompts_file = s.generate, run == "serve", s.generate.prompts is not None
+    dtype = s.model.compute_dtype(cfg.dtype)
+    if serving or prompts_file:  # any request: a server's, or a file's own sampling fields
+        modes, longest = ALL_MODES, s.cache.cap
+    else:
+        modes, longest = (SamplingMode.of(g.temperature, g.top_p, g.top_k),), max(1, s.cache.cap - g.max_new_tokens)
+    kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
+    pack = run != "load" and kind == "eager" and packable(dtype, device)
+    dense = experts_dense(cfg, g.batch, pack, select(s.kernels.backend, device))  # as build_model will
+    reuse = run != "load" and s.prefix.on(run, prompts_file)
+    cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
+    host = s.prefix.host_bytes if device.type == "cpu" else 0
+    pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
+    reserve = s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
+    sample = any(m.sample for m in modes)
+    runtimes, terms = [], []
+    for rank in range(world):
+        runtime = runtime_memory(
+            cfg,
+            world,
+            g.batch,
+            longest,
+            g.prefill_chunk,
+            s.cache.cap,
+            sample,
+            dtype.itemsize,
+            device.type,
+            dense,
+            graphs=len(modes),
+            top=WIDEST if serving else TOP,
+            scoring=serving,
+            front=serving and rank == 0,
+        )
+        saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
+        derived = _derived(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
+        runtimes.append(runtime)
+        terms.append(MemoryTerms(cache, runtime.total, derived, pool, saved, reserve))
+    return RunPlan(run, world, dtype, modes, longest, kind, pack, dense, reuse, tuple(runtimes), tuple(terms))
+
+
+def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, pack: bool, dense: bool, int8: bool, transient: int):
+    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
+    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
+    int8 (weights/quant_plan.py) makes one int8 copy at a time instead (`transient`), and the LM head is then not
+    packed."""
+    if not pack:
+        return transient
+    head = 0 if int8 else -(-cfg.vocab_size // world) * cfg.hidden_size
+    experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // world) if dense else 0
+    return max(max(head, experts) * dtype.itemsize, transient)
