@@ -1,6 +1,7 @@
 """The plan covers the real peak: on the CPU, a rank's peak resident set minus a bare interpreter's (torch imported)
 stays at or below its `admitted`, at batch 1 and 4, prompts of 16, 2048 and 8192 tokens, world 1 and 2; and
-`runtime_bytes` stays within 2x of the memory generation really added (result.json's measured `memory`)."""
+`runtime_bytes` stays within 2x of the memory generation really added (result.json's measured `memory`), less the GEMM
+caches' allowance for the upper bound."""
 
 import json
 import subprocess
@@ -60,7 +61,10 @@ def test_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world, batch,
         report = json.dumps({"plan": plan, "used": used, "bare": bare_rss})
         assert used["peak_bytes"] - bare_rss <= plan["admitted"], report
         runtime, measured = plan["runtime_bytes"], used["runtime_peak_bytes"]
-        assert measured / 2 <= runtime <= 2 * measured, report
+        # the GEMM primitive caches' cap is an allowance, not an estimate: on a CPU whose oneDNN has no bf16 kernels
+        # (AVX2) nothing fills it, and at 16 tokens it is most of the term
+        allowance = result["runtime"]["kernels"]
+        assert measured / 2 <= runtime and runtime - allowance <= 2 * measured, report
 
 
 @pytest.mark.parametrize("world", [1, 2])
