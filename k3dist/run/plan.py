@@ -5,7 +5,7 @@ The memory preflight, the loader, the generation and the what-if plan (`run.mode
 `run.plan_for`) all read one `RunPlan`; none of them decides again. So the what-if answers, rank by rank, with the
 `admitted` and the terms of the run those settings start. Nothing here looks at the prompts themselves: a run plans
 for any prompt its settings admit (up to `cache.cap` less `generate.max_new_tokens`; a server or a prompts file, up
-to `cache.cap`, in any sampling mode).
+to `cache.cap`, in any sampling mode; a load, none).
 """
 
 from dataclasses import dataclass
@@ -51,10 +51,11 @@ def plan_run(s: Settings, cfg: ModelConfig, world: int, device: torch.device) ->
     run = s.run.plan_for if s.run.mode == "plan" else s.run.mode
     g, serving, prompts_file = s.generate, run == "serve", s.generate.prompts is not None
     dtype = s.model.compute_dtype(cfg.dtype)
+    modes, longest = (SamplingMode.of(g.temperature, g.top_p, g.top_k),), max(1, s.cache.cap - g.max_new_tokens)
     if serving or prompts_file:  # any request: a server's, or a file's own sampling fields
         modes, longest = ALL_MODES, s.cache.cap
-    else:
-        modes, longest = (SamplingMode.of(g.temperature, g.top_p, g.top_k),), max(1, s.cache.cap - g.max_new_tokens)
+    elif run == "load":  # no prompt is ever run
+        longest = 1
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     pack = run != "load" and kind == "eager" and packable(dtype, device)
     dense = experts_dense(cfg, g.batch, pack, select(s.kernels.backend, device))  # as build_model will
