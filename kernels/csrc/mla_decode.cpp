@@ -21,16 +21,15 @@
 #include <limits>
 #include <vector>
 
-#include "gemv.h"
 
 namespace {
 
-using k3::rnd;
 using k3::Vec;
 using k3::W;
 
 constexpr int64_t SUB = 16;    // rows widened to fp32 at a time (16 x 160 floats: 10 KiB, in L1)
 constexpr int64_t PIECE = 256;  // fewest rows a piece holds (fewer: the split costs more than it gains)
+constexpr int64_t AHEAD = 2 * SUB;  // rows ahead of the one widened that are asked of the memory already
 constexpr int64_t PIECES = 64;  // most pieces a sequence is cut into (their partial contexts are summed at the end)
 
 inline int64_t pad(int64_t n) { return (n + W - 1) / W * W; }
@@ -57,16 +56,16 @@ inline void scores_block(const float* rows, int64_t row_s, const float* q, int64
 
 template <int R>
 inline void scores_rows(const float* rows, int64_t row_s, const float* q, int64_t q_s, int64_t K, int64_t H,
-                        float* s) {  // s [R][H]
+                        float* s, int64_t s_s) {  // s [H][s_s]: R rows' scores at each head's s[h * s_s ..]
   int64_t h = 0;
   float tmp[R * 2];
   for (; h + 2 <= H; h += 2) {
     scores_block<R, 2>(rows, row_s, q + h * q_s, q_s, K, tmp);
-    for (int i = 0; i < R; ++i) s[i * H + h] = tmp[2 * i], s[i * H + h + 1] = tmp[2 * i + 1];
+    for (int i = 0; i < R; ++i) s[h * s_s + i] = tmp[2 * i], s[(h + 1) * s_s + i] = tmp[2 * i + 1];
   }
   if (h < H) {
     scores_block<R, 1>(rows, row_s, q + h * q_s, q_s, K, tmp);
-    for (int i = 0; i < R; ++i) s[i * H + h] = tmp[i];
+    for (int i = 0; i < R; ++i) s[h * s_s + i] = tmp[i];
   }
 }
 
@@ -98,16 +97,31 @@ inline void context_heads(const float* rows, int64_t row_s, int64_t m, const flo
 }
 
 template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {  // exact; full vectors only, then the tail one by one
+  int64_t j = 0;
+  if constexpr (!k3::wide<T>) {  // (k3::to_float's partial loads copy through the stack: 3x slower here)
+    for (; j + 2 * W <= n; j += 2 * W) {
+      auto [a, b] = k3::widen(at::vec::Vectorized<T>::loadu(src + j));
+      a.store(dst + j);
+      b.store(dst + j + W);
+    }
+  }
+  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+template <typename T>
 void widen_rows(const T* src, int64_t src_s, int64_t m, int64_t n, float* dst, int64_t dst_s) {
   for (int64_t i = 0; i < m; ++i) {  // n values of each row, then zeros to dst_s (the padding adds nothing)
-    k3::to_float<T>(src + i * src_s, dst + i * dst_s, n);
+    const char* ahead = reinterpret_cast<const char*>(src + (i + AHEAD) * src_s);  // a hint: never faults
+    for (int64_t c = 0; c < static_cast<int64_t>(n * sizeof(T)); c += 64) __builtin_prefetch(ahead + c);
+    widen<T>(src + i * src_s, dst + i * dst_s, n);
     for (int64_t j = n; j < dst_s; ++j) dst[i * dst_s + j] = 0.f;
   }
 }
 
 template <typename T>
 float dot(const T* w, const float* x, int64_t n, float* tmp) {  // w . x in fp32, the weight widened a vector at a time
-  k3::to_float<T>(w, tmp, n);
+  widen<T>(w, tmp, n);
   Vec acc(0.f);
   int64_t j = 0;
   for (; j + W <= n; j += W) acc = at::vec::fmadd(Vec::loadu(tmp + j), Vec::loadu(x + j), acc);
@@ -182,7 +196,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
         float* out_q = qc + task * Kp;
         for (int64_t i = 0; i < Kp; ++i) out_q[i] = 0.f;
         for (int64_t j = 0; j < dn; ++j) {
-          k3::to_float<T>(kb + h * w_kb.stride(0) + j * w_kb.stride(1), w.data(), r);
+          widen<T>(kb + h * w_kb.stride(0) + j * w_kb.stride(1), w.data(), r);
           const Vec qj(static_cast<float>(qh[j]));
           for (int64_t i = 0; i < rp; i += W) {
             const int64_t m = std::min<int64_t>(W, r - i);
@@ -197,6 +211,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
     // pass 1: scores [H][rows] of each piece, rounded as torch's, and the piece's maximum per head
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> rows(SUB * Kp), s(SUB * H);
+      const Vec vscale(fscale);
       for (int64_t pi = begin; pi < end; ++pi) {
         const Piece pc = pieces[pi];
         const float* qb = qc + pc.b * H * Kp;
@@ -206,14 +221,17 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
           const int64_t m = std::min(SUB, pc.t1 - t);
           widen_rows<T>(lp + pc.b * lat_b + t * lat_t, lat_t, m, K, rows.data(), Kp);
           int64_t i = 0;
-          for (; i + 4 <= m; i += 4) scores_rows<4>(rows.data() + i * Kp, Kp, qb, Kp, Kp, H, s.data() + i * H);
-          for (; i < m; ++i) scores_rows<1>(rows.data() + i * Kp, Kp, qb, Kp, Kp, H, s.data() + i * H);
-          for (int64_t h = 0; h < H; ++h) {
+          for (; i + 4 <= m; i += 4) scores_rows<4>(rows.data() + i * Kp, Kp, qb, Kp, Kp, H, s.data() + i, SUB);
+          for (; i < m; ++i) scores_rows<1>(rows.data() + i * Kp, Kp, qb, Kp, Kp, H, s.data() + i, SUB);
+          for (int64_t h = 0; h < H; ++h) {  // the score, then the scaled score, each rounded (a vector at a time)
             float* dst = sc + h * total + offset[pc.b] + t;
-            for (int64_t j = 0; j < m; ++j) {
-              dst[j] = rnd<T>(rnd<T>(s[j * H + h]) * fscale);
-              top[h] = std::max(top[h], dst[j]);
-            }
+            float* x = s.data() + h * SUB;
+            k3::round_to<T>(x, m);
+            k3::vmap(x, m, [&](Vec v) { return v * vscale; });
+            k3::round_to<T>(x, m);
+            float best = top[h];  // (a local: top[h] in memory would be stored back at every row)
+            for (int64_t j = 0; j < m; ++j) dst[j] = x[j], best = std::max(best, x[j]);
+            top[h] = best;
           }
         }
       }
@@ -255,9 +273,14 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
         for (int64_t t = pc.t0; t < pc.t1; t += SUB) {
           const int64_t m = std::min(SUB, pc.t1 - t);
           widen_rows<T>(lp + pc.b * lat_b + t * lat_t, lat_t, m, r, rows.data(), rp);
-          for (int64_t h = 0; h < H; ++h) {
+          for (int64_t h = 0; h < H; ++h) {  // p = e / sum, rounded (a vector at a time)
             const float* e = sc + h * total + offset[pc.b] + t;
-            for (int64_t j = 0; j < m; ++j) p[h * SUB + j] = rnd<T>(e[j] / sums[h]);
+            const Vec vsum(sums[h]);
+            for (int64_t j = 0; j < m; j += W) {
+              const int64_t k = std::min<int64_t>(W, m - j);
+              (Vec::loadu(e + j, k) / vsum).store(p.data() + h * SUB + j, k);
+            }
+            k3::round_to<T>(p.data() + h * SUB, m);
           }
           int64_t h = 0;
           for (; h + 2 <= H; h += 2) context_heads<2>(rows.data(), rp, m, p.data() + h * SUB, SUB, acc + h * rp, rp, rp);
