@@ -27,7 +27,7 @@ namespace {
 using k3::Vec;
 using k3::W;
 
-constexpr int64_t SUB = 16;    // rows widened to fp32 at a time (16 x 160 floats: 10 KiB, in L1)
+constexpr int64_t SUB = 32;  // rows widened to fp32 at a time (32 x 160 floats: 20 KiB, in L1); a multiple of 2 W
 constexpr int64_t PIECE = 256;  // fewest rows a piece holds (fewer: the split costs more than it gains)
 constexpr int64_t AHEAD = 2 * SUB;  // rows ahead of the one widened that are asked of the memory already
 constexpr int64_t PIECES = 64;  // most pieces a sequence is cut into (their partial contexts are summed at the end)
@@ -110,6 +110,18 @@ inline void widen(const T* src, float* dst, int64_t n) {  // exact; full vectors
 }
 
 template <typename T>
+inline void round_block(float* x) {  // x[0 .. SUB) = float(T(x)) in whole vectors (k3::round_to's partial ones copy)
+  static_assert(SUB % (2 * W) == 0);
+  if constexpr (!k3::wide<T>) {
+    for (int64_t j = 0; j < SUB; j += 2 * W) {
+      auto [a, b] = k3::widen(k3::narrow(Vec::loadu(x + j), Vec::loadu(x + j + W), static_cast<T*>(nullptr)));
+      a.store(x + j);
+      b.store(x + j + W);
+    }
+  }
+}
+
+template <typename T>
 void widen_rows(const T* src, int64_t src_s, int64_t m, int64_t n, float* dst, int64_t dst_s) {
   for (int64_t i = 0; i < m; ++i) {  // n values of each row, then zeros to dst_s (the padding adds nothing)
     const char* ahead = reinterpret_cast<const char*>(src + (i + AHEAD) * src_s);  // a hint: never faults
@@ -173,7 +185,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
 
   static thread_local Buffers buf;
   float* qc = Buffers::at_least(buf.qc, B * H * Kp);            // q_abs and q_pe per (sequence, head), padded
-  float* sc = Buffers::at_least(buf.scores, H * total + 1);     // [H][total]: scores, then exp, per head
+  float* sc = Buffers::at_least(buf.scores, H * total + SUB);   // [H][total]: scores, then exp (+ a block read past)
   float* stat = Buffers::at_least(buf.stat, 2 * P * H);         // per piece and head: its max, then its sum
   float* ctx = Buffers::at_least(buf.ctx, P * H * rp);          // per piece: [H][rp] partial contexts
   const float fscale = static_cast<float>(scale);
@@ -226,9 +238,9 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
           for (int64_t h = 0; h < H; ++h) {  // the score, then the scaled score, each rounded (a vector at a time)
             float* dst = sc + h * total + offset[pc.b] + t;
             float* x = s.data() + h * SUB;
-            k3::round_to<T>(x, m);
-            k3::vmap(x, m, [&](Vec v) { return v * vscale; });
-            k3::round_to<T>(x, m);
+            round_block<T>(x);
+            for (int64_t j = 0; j < SUB; j += W) (Vec::loadu(x + j) * vscale).store(x + j);
+            round_block<T>(x);
             float best = top[h];  // (a local: top[h] in memory would be stored back at every row)
             for (int64_t j = 0; j < m; ++j) dst[j] = x[j], best = std::max(best, x[j]);
             top[h] = best;
@@ -276,11 +288,8 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
           for (int64_t h = 0; h < H; ++h) {  // p = e / sum, rounded (a vector at a time)
             const float* e = sc + h * total + offset[pc.b] + t;
             const Vec vsum(sums[h]);
-            for (int64_t j = 0; j < m; j += W) {
-              const int64_t k = std::min<int64_t>(W, m - j);
-              (Vec::loadu(e + j, k) / vsum).store(p.data() + h * SUB + j, k);
-            }
-            k3::round_to<T>(p.data() + h * SUB, m);
+            for (int64_t j = 0; j < SUB; j += W) (Vec::loadu(e + j) / vsum).store(p.data() + h * SUB + j);
+            round_block<T>(p.data() + h * SUB);  // (whole blocks: the values past m are never used)
           }
           int64_t h = 0;
           for (; h + 2 <= H; h += 2) context_heads<2>(rows.data(), rp, m, p.data() + h * SUB, SUB, acc + h * rp, rp, rp);
