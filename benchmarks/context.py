@@ -69,13 +69,11 @@ def whatif(args, tmp: Path) -> tuple[str, dict]:
     fits, checked = {}, {}
     for name, free in DEVICES.items():
         fits[name] = max(0, (free - fixed) // slot)
-        if fits[name]:  # the answer planned: it must fit, one more must not
+        if fits[name]:  # the answer planned: one more slot must be refused (a plan's verdict, not its exit code)
             over = [*WHATIF, f"generate.batch={fits[name] + 1}", f"memory.free={free}"]
-            try:
-                common.k3dist(over, tmp / f"plan-{fits[name] + 1}.json", 600)
-                checked[name] = "one more slot was admitted too (the per-slot bytes are not linear)"
-            except RuntimeError:
-                checked[name] = f"{fits[name] + 1} refused"
+            r = common.k3dist(over, tmp / f"plan-{fits[name] + 1}.json", 600)
+            refused = r.get("verdict") == "refused"
+            checked[name] = f"{fits[name] + 1} refused" if refused else "one more was admitted too: not linear"
     p = plans[1]
     rows = [
         [key, f"{p[key] / GiB:.2f}"]
