@@ -41,7 +41,7 @@ HOST_ALLOWANCE = 4 * MiB  # what CPU libraries allocate on first use during gene
 HOST_PER_PROMPT_TOKEN = 512  # and what the allocator keeps growing by over long prefills, per prompt token of the batch
 FRONT = 32 * MiB  # a server's HTTP side on rank 0: 18 MiB of its libraries measured, their threads and requests
 KDA_CHUNK = 16  # kernels/kda.py's chunk length
-MLA_PIECES = 64  # kernels/csrc/mla_decode.cpp: the most pieces a sequence's rows are cut into
+MLA_PIECES, MLA_PIECE = 64, 256  # kernels/csrc/mla_decode.cpp: the most pieces a sequence is cut into, their least rows
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def mla_decode_bytes(cfg: ModelConfig, world: int, batch: int, cap: int) -> int:
         return 0
     H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
     pad = lambda n: -(-n // 16) * 16  # noqa: E731  (the widest vector's float lanes)
-    pieces = batch * MLA_PIECES
+    pieces = batch * min(MLA_PIECES, -(-max(cap, 1) // MLA_PIECE))  # a piece holds MLA_PIECE rows or more
     return 4 * (H * (batch * cap + 32) + pieces * H * (2 + pad(r)) + batch * H * pad(r + dr))
 
 
