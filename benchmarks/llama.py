@@ -7,7 +7,8 @@ they skip this peer and say so.
     --gguf FILE                 the bf16 GGUF of the twin;  --gguf-q8 FILE  its Q8_0 quantisation
 
 Decode runs `llama-batched-bench -t T -c 4096 -npp P -ntg N -npl B...` (tok/s = S_TG, batch 8 aggregate), prefill
-`llama-bench -t T -p L... -n 0 -r R` (time to first token = L / its tok/s), both with k3dist's thread count.
+`llama-bench -t T -p L... -n 0 -r R` (time to first token = L / its tok/s), decode at a depth
+`llama-bench -t T -p 0 -n N -d L -r R` (N tokens after L in the cache), all with k3dist's thread count.
 """
 
 import json
@@ -89,3 +90,17 @@ def prefill(args, lengths: list[int], threads: int, repeats: int) -> dict:
         return {"ttft": {}, "error": common.short_error(exc)}
     rate = {str(r["n_prompt"]): r["avg_ts"] for r in rows if r["n_gen"] == 0}
     return {"ttft": {n: int(n) / ts for n, ts in rate.items()}, "tok_s": rate}
+
+
+def depth_decode(args, depth: int, new: int, threads: int, repeats: int) -> dict:
+    """{"tok_s": decode tok/s of `new` tokens after `depth` tokens in the cache} from llama-bench, or {"skipped"/
+    "error": why}. llama-bench fills the depth untimed before each repetition, so this costs a prefill of `depth`."""
+    if why := missing(args, args.llama_bench):
+        return {"skipped": why}
+    cmd = [args.llama_bench, "-m", args.gguf, "-t", threads, "-p", 0, "-n", new, "-d", depth, "-r", repeats]
+    cmd += ["-o", "json", *args.llama_extra.split()]
+    try:
+        rows = json.loads(_run(cmd, args.timeout))
+    except Exception as exc:  # noqa: BLE001
+        return {"error": common.short_error(exc)}
+    return {"tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] == new)}

@@ -19,7 +19,9 @@ Terms (each an upper bound of what is alive at once, in bytes):
 - cpu: an allowance for what the libraries allocate on first use during generation (pools, code paged in) plus
   a measured growth per prompt token of the batch (allocator fragmentation over long prefills);
 - kernels (cpu): the GEMM primitives the libraries keep, one per (row count, weight shape) the run has met, at most
-  the caches' cap (base/allocator.py): a server meets every row count, so the cap is what it holds;
+  the caches' cap (base/allocator.py): a server meets every row count, so the cap is what it holds; and the MLA
+  decode op's buffers (kernels/csrc/mla_decode.cpp keeps them between steps): every slot's scores per head over its
+  rows, up to cache.cap, and the partial contexts of its pieces;
 - front: rank 0 of a server, the HTTP side (FastAPI, uvicorn, pydantic, their threads and the requests in flight).
 """
 
@@ -39,6 +41,7 @@ HOST_ALLOWANCE = 4 * MiB  # what CPU libraries allocate on first use during gene
 HOST_PER_PROMPT_TOKEN = 512  # and what the allocator keeps growing by over long prefills, per prompt token of the batch
 FRONT = 32 * MiB  # a server's HTTP side on rank 0: 18 MiB of its libraries measured, their threads and requests
 KDA_CHUNK = 16  # kernels/kda.py's chunk length
+MLA_PIECES, MLA_PIECE = 64, 256  # kernels/csrc/mla_decode.cpp: the most pieces a sequence is cut into, their least rows
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,17 @@ def _prefill(
     return residual + max(kinds)
 
 
+def mla_decode_bytes(cfg: ModelConfig, world: int, batch: int, cap: int) -> int:
+    """The CPU MLA decode op's buffers at `batch` slots of `cap` rows: scores [H, rows] fp32 (one block past the end),
+    each piece's max and sum per head, partial contexts [H, r] per piece, q_abs and q_pe per (slot, head)."""
+    if not cfg.count(mixer="mla"):
+        return 0
+    H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
+    pad = lambda n: -(-n // 16) * 16  # noqa: E731  (the widest vector's float lanes)
+    pieces = batch * min(MLA_PIECES, -(-max(cap, 1) // MLA_PIECE))  # a piece holds MLA_PIECE rows or more
+    return 4 * (H * (batch * cap + 32) + pieces * H * (2 + pad(r)) + batch * H * pad(r + dr))
+
+
 def runtime_memory(
     cfg: ModelConfig,
     world: int,
@@ -135,7 +149,11 @@ def runtime_memory(
         device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
-    kernels = 0 if device_type == "cuda" else cached_primitives() * PRIMITIVE_BYTES
+    kernels = (
+        0
+        if device_type == "cuda"
+        else cached_primitives() * PRIMITIVE_BYTES + mla_decode_bytes(cfg, world, batch, out_len)
+    )
     P, H, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim  # one slot's KDA state (cache.py)
     guard = cfg.count(mixer="kda") * ((cfg.conv_kernel - 1) * 3 * P * s + H * d * d * 4)
     return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0, guard)

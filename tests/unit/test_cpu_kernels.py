@@ -221,3 +221,52 @@ def test_mla_absorbed_equals_the_torch_path(B, H, dn, dr, dv, r, L, dtype):
     assert got.dtype == dtype and got.shape == (B, H * dv)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the same roundings, sums in another order
     assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "lengths, L, H, r, dr",
+    [
+        ([0, 1, 2], 9, 8, 128, 32),  # an empty sequence (zeros, as before), one row, two
+        ([1], 1, 3, 20, 5),  # one row; heads, r and r + dr not multiples of the vector width
+        ([7, 33, 17, 1], 40, 5, 24, 8),  # lengths around the vector width and the 16-row blocks
+        ([4099], 4100, 8, 128, 32),  # one long sequence: cut into pieces on every thread, their sums merged
+        ([3000, 1500, 61, 2049], 3000, 2, 48, 16),  # long and short together
+    ],
+)
+def test_mla_absorbed_at_depth(lengths, L, H, r, dr, dtype):
+    """The pieces, the blocked score and context kernels and their tails give the torch path's values, on random rows
+    at several lengths and for sequences of different lengths in one batch."""
+    dn, dv, B = 24, 40, len(lengths)
+    g = torch.Generator().manual_seed(L + H)
+    rand = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    per_head = (rand(H * (dn + dv), r) * 0.2).view(H, dn + dv, r)
+    w_kb, w_vb = per_head[:, :dn], per_head[:, dn:]
+    q, latent = rand(B, H, dn + dr), rand(B, L, r + dr)
+    lengths = torch.tensor(lengths)
+    scale = (dn + dr) ** -0.5
+    got = cpu_ops.mla_absorbed(q, latent, lengths, w_kb, w_vb, scale)
+    live = lengths > 0  # the torch path's softmax over no row is NaN; the op returns zeros there
+    assert torch.equal(got[~live], torch.zeros_like(got[~live]))
+    ref = _mla_torch(q[live], latent[live], lengths[live], w_kb, w_vb, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the same roundings, sums in another order
+    assert (got[live].float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+def test_mla_absorbed_threads_agree():
+    """One thread or two: the same pieces, summed in the same order, so the same values (the thread governor changes
+    the count in the middle of a run)."""
+    g = torch.Generator().manual_seed(1)
+    per_head = (torch.randn(8 * 128, 128, generator=g) * 0.2).to(torch.bfloat16).view(8, 128, 128)
+    q = torch.randn(1, 8, 96, generator=g).to(torch.bfloat16)
+    latent = torch.randn(1, 5000, 160, generator=g).to(torch.bfloat16)
+    args = (q, latent, torch.tensor([4999]), per_head[:, :64], per_head[:, 64:], 96**-0.5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.mla_absorbed(*args)
+        torch.set_num_threads(2)
+        two = cpu_ops.mla_absorbed(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
