@@ -42,12 +42,14 @@ def bind(batch: int, cap: int, backend: str):
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
     from k3dist.weights.loader import load_weights
+    from k3dist.weights.memory import MemoryTerms
 
     rt = dist.init("gloo", "cpu", 120)
     model_dir = str(common.twin_dir())
     cfg = load_config(model_dir)
     dt = torch.bfloat16
-    store = load_weights(scan(model_dir, cfg), rt, dt, cache_nbytes(cache_shapes(cfg, 1, batch, cap, dt)), 0)
+    terms = MemoryTerms(cache=cache_nbytes(cache_shapes(cfg, 1, batch, cap, dt)))
+    store = load_weights(scan(model_dir, cfg), rt, dt, terms)
     cache = HybridCache(cfg, 1, batch, cap, dt, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
     kernels, pack = select(backend, rt.device), packable(dt, rt.device)
