@@ -152,7 +152,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     cfg = staged("config", rt, lambda: model_config(s))
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
     model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
-    plan = plan_run(s, cfg, rt.world, rt.device)  # every rank alike, before anything is loaded
+    plan = plan_run(s, cfg, rt.world, rt.device, ranks=(rt.rank,))  # every rank alike, before anything is loaded
     text, prompts, listener = None, [], None
     if plan.run == "generate":
         text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))

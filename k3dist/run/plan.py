@@ -37,17 +37,21 @@ class RunPlan:
     pack: bool  # weights packed for oneDNN at bind time
     dense: bool  # MoE experts held dense (model/build.py)
     reuse: bool  # prefix snapshots on
-    runtimes: tuple[RuntimeMemory, ...]  # by rank (rank 0 of a server also serves HTTP)
-    terms: tuple[MemoryTerms, ...]  # by rank
+    runtimes: dict[int, RuntimeMemory]  # by rank, for the ranks planned (rank 0 of a server also serves HTTP)
+    terms: dict[int, MemoryTerms]  # by rank, for the ranks planned
 
     @property
     def serving(self) -> bool:
         return self.run == "serve"
 
 
-def plan_run(s: Settings, cfg: ModelConfig, world: int, device: torch.device) -> RunPlan:
+def plan_run(
+    s: Settings, cfg: ModelConfig, world: int, device: torch.device, ranks: tuple[int, ...] | None = None
+) -> RunPlan:
     """The decisions for the run `s` starts (or, for `run.mode=plan`, the run `run.plan_for` names) on `world` ranks
-    of `device`'s kind."""
+    of `device`'s kind; memory terms for `ranks` (None: every rank, as the what-if wants; a rank of the run asks for
+    its own only)."""
+    ranks = tuple(range(world)) if ranks is None else ranks
     run = s.run.plan_for if s.run.mode == "plan" else s.run.mode
     g, serving, prompts_file = s.generate, run == "serve", s.generate.prompts is not None
     dtype = s.model.compute_dtype(cfg.dtype)
@@ -65,9 +69,9 @@ def plan_run(s: Settings, cfg: ModelConfig, world: int, device: torch.device) ->
     pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
     reserve = s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
     sample = any(m.sample for m in modes)
-    runtimes, terms = [], []
-    for rank in range(world):
-        runtime = runtime_memory(
+    by_front = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
+    for front in {serving and rank == 0 for rank in ranks}:
+        by_front[front] = runtime_memory(
             cfg,
             world,
             g.batch,
@@ -81,13 +85,15 @@ def plan_run(s: Settings, cfg: ModelConfig, world: int, device: torch.device) ->
             graphs=len(modes),
             top=WIDEST if serving else TOP,
             scoring=serving,
-            front=serving and rank == 0,
+            front=front,
         )
+    runtimes, terms = {}, {}
+    for rank in ranks:
+        runtimes[rank] = by_front[serving and rank == 0]
         saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
         derived = _derived(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
-        runtimes.append(runtime)
-        terms.append(MemoryTerms(cache, runtime.total, derived, pool, saved, reserve))
-    return RunPlan(run, world, dtype, modes, longest, kind, pack, dense, reuse, tuple(runtimes), tuple(terms))
+        terms[rank] = MemoryTerms(cache, runtimes[rank].total, derived, pool, saved, reserve)
+    return RunPlan(run, world, dtype, modes, longest, kind, pack, dense, reuse, runtimes, terms)
 
 
 def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, pack: bool, dense: bool, int8: bool, transient: int):

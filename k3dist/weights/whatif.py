@@ -25,9 +25,9 @@ def plan_all_ranks(
     world: int,
     compute_dtype: torch.dtype,
     free: int,
-    terms: tuple[MemoryTerms, ...] | None = None,
+    terms: dict[int, MemoryTerms] | None = None,
 ) -> list[MemoryPlan]:
     """`terms`: each rank's, from the run plan (run/plan.py); None: the weights alone."""
     entries = list(inv.entries.values()) if inv is not None else config_entries(cfg)
-    terms = terms or (WEIGHTS_ONLY,) * world
+    terms = terms or dict.fromkeys(range(world), WEIGHTS_ONLY)
     return [memory_plan(r, plan_rank(cfg, entries, world, r, compute_dtype), free, terms[r]) for r in range(world)]
