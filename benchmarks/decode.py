@@ -338,7 +338,7 @@ def main() -> int:
         f"cache at mean position {position:.0f}): roofline.decode_read_bytes; its count of every resident weight "
         + ("equals every plan's local_bytes." if not mismatches else "DIFFERS from the plan: " + "; ".join(mismatches)),
         "prepacked roofline: the same GEMV on a oneDNN-prepacked weight, the kernel k3dist's CPU decode really runs "
-        "(kernels/linear.py), so the stricter bar. "
+        "(k3dist/model/linear.py), so the stricter bar. "
         "kernel roofline: torch's bf16 GEMV over the rank's LM-head slice "
         + ", ".join(f"world {w} {v['gemv_shape']} with {v['threads']} threads" for w, v in bw.items())
         + "; DRAM roofline: a 256 MiB copy_ (read + write). Bandwidths are measured at the start of every repeat; "

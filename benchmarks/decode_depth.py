@@ -31,14 +31,14 @@ configure_openmp()  # as launch.py: before torch loads libgomp
 def bind(batch: int, cap: int, backend: str):
     """The twin bound as a world-1 CPU run binds it: its model, cache and eager step."""
     import torch
-    from k3dist.kernels.backend import select
-    from k3dist.kernels.linear import packable
 
     from k3dist.base import dist
     from k3dist.config import load_config
     from k3dist.engine.step import DecodeStep
+    from k3dist.kernels.backend import select
     from k3dist.model.build import build_model
     from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+    from k3dist.model.linear import packable
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
     from k3dist.weights.loader import load_weights
@@ -53,7 +53,7 @@ def bind(batch: int, cap: int, backend: str):
     cache = HybridCache(cfg, 1, batch, cap, dt, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
     kernels, pack = select(backend, rt.device), packable(dt, rt.device)
-    model = build_model(cfg, store.tensors, comm, cache, kernels, "unbiased", pack)
+    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=pack)
     return model, cache, DecodeStep(model, cache)
 
 

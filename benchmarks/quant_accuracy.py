@@ -23,12 +23,12 @@ import common  # noqa: E402
 
 def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
     import torch
-    from k3dist.kernels.backend import select
-    from k3dist.kernels.linear import packable
 
     from k3dist.base import dist
+    from k3dist.kernels.backend import select
     from k3dist.model.build import build_model
     from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+    from k3dist.model.linear import packable
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
     from k3dist.weights.loader import load_weights
@@ -42,7 +42,7 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
     cache = HybridCache(cfg, 1, 1, cap, dtype, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
     pack = packable(dtype, rt.device)
-    model = build_model(cfg, store.tensors, comm, cache, select("auto", rt.device), "unbiased", pack, quant)
+    model = build_model(cfg, store.tensors, comm, cache, select("auto", rt.device), pack=pack, quant=quant)
     return model, cache
 
 

@@ -118,8 +118,8 @@ def gemv_bandwidth(rows: int, cols: int, device: str = "cpu", repeats: int = 7) 
 
 def packed_gemv_bandwidth(rows: int, cols: int, repeats: int = 7) -> float | None:
     """GB/s of the same GEMV on a oneDNN-prepacked weight (what k3dist's CPU decode uses where oneDNN has bf16
-    kernels, kernels/linear.py); None where packing is not available."""
-    from k3dist.kernels.linear import Linear, packable
+    kernels, k3dist/model/linear.py); None where packing is not available."""
+    from k3dist.model.linear import Linear, packable
 
     if not packable(torch.bfloat16, torch.device("cpu")):
         return None

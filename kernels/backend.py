@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from k3dist.kernels import kda_fused, mla
 
 from k3dist.base.errors import K3Error
+from k3dist.kernels import kda_fused, mla
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Routed-expert SwiGLU without host syncs: gathered expert weights for decode, sorted groups for prefill, or every
-expert as one dense GEMM pair where a batch covers the experts on a CPU.
+"""Routed-expert SwiGLU without host syncs: gathered expert weights for decode, sorted groups for prefill (the dense
+GEMM-pair holder of every expert is the model's: k3dist/model/experts.py).
 
 Weights are stacked per rank: w13 [E, 2I, D] (w1 = gate rows first, then w3 = up) and w2 [E, D, I], I = this rank's
 slice of the expert size. Every path returns the per-token sum of weighted expert outputs in fp32, equal to a loop over
@@ -9,13 +9,6 @@ experts (`experts_loop`, the oracle).
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from .linear import Linear
-
-DENSE_MAX_RATIO = 8  # dense experts compute E/k times the routed FLOPs; measured no slower than the grouped loop at 8
-ONE_OP_TOKENS = (
-    16  # decode batches up to this many tokens run the one-op CPU block (cpu_ops.moe_decode) where it builds
-)
 
 
 def experts_gathered(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -109,41 +102,6 @@ def experts_sorted(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Ten
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
     out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
-
-
-def dense_wanted(experts: int, top_k: int, batch: int, pack: bool, one_op: bool = False) -> bool:
-    """Whether to hold the experts as `DenseExperts` (one packed dense GEMM pair) instead of stacked.
-
-    On a CPU with packed bf16 weights (kernels/linear.py), a decode batch whose (token, expert) pairs cover the
-    experts reads nearly all of them anyway, and one packed GEMM streams them about twice as fast as the stacked
-    paths' many small products (benchmarks/decode.py, BENCHMARKS.md). The packed pair replaces the stacked weights,
-    so prefill runs dense too: that costs E/k times the routed FLOPs, hence the bound on E/k. Where the one-op CPU
-    block serves the batch (`one_op`: it reads the stacked weights, each chosen expert from cache after its first
-    token) the stacked weights stay: at batch 8 on the twin it took a third of the dense pair's time.
-    """
-    return not one_op and pack and batch * top_k >= experts and experts <= DENSE_MAX_RATIO * top_k
-
-
-class DenseExperts:
-    """Every expert for every token as two GEMMs: x [N, D] through w13 as one [E*2I, D] weight, SwiGLU per expert,
-    each expert's activations times the token's routing weight for it (0 where not chosen), then w2 as one
-    [D, E*I] weight sums over the experts. Built from the stacked weights (the w2 layout is one copy, then packed).
-
-    Rounding: the weighted activations round once to the compute dtype before w2, where the loop rounds each
-    expert's output instead: one bf16 rounding of the same terms either way."""
-
-    def __init__(self, w13: Tensor, w2: Tensor, pack: bool):
-        self.experts = w13.shape[0]
-        self.w13 = Linear(w13.flatten(0, 1), pack)
-        self.w2 = Linear(w2.permute(1, 0, 2).flatten(1), pack)
-
-    def __call__(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """x: [N, D]; ids, weights: [N, k]. Returns [N, D] fp32."""
-        N = x.shape[0]
-        gate, up = self.w13(x).view(N, self.experts, -1).chunk(2, dim=-1)
-        routing = torch.zeros(N, self.experts, dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
-        act = (F.silu(gate) * up).float() * routing.unsqueeze(-1)
-        return self.w2(act.to(x.dtype).view(N, -1)).float()
 
 
 def _group_counts(flat: Tensor, experts: int) -> Tensor:

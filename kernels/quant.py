@@ -8,7 +8,6 @@ q x scale and the error is the rounding of q alone (at most half a step: |w| max
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 ROWS = 8192  # rows quantised at a time: the fp32 transient stays ROWS x in x 4 bytes (32 MiB at in = 1024)
@@ -40,37 +39,3 @@ def int8_bytes(rows: int, cols: int, dtype: torch.dtype) -> int:
 def int8_mm(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
     """x [M, in] (compute dtype) times the int8 weight's transpose: [M, out] in x's dtype."""
     return torch.ops.aten._weight_int8pack_mm(x, q, scales)
-
-
-DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the int8 GEMM; wider ones (prefill) the blocks below
-ALIGN = 16  # torch 2.13's CPU _weight_int8pack_mm reads garbage or crashes unless in % 16 == 0 (and checks nothing)
-BLOCK = 4096  # weight rows dequantised at a time for a wide input: the bf16 transient stays BLOCK x in
-
-
-class Int8Linear:
-    """kernels.linear.Linear's interface over an int8 weight (made here, at bind time, from the compute-dtype one).
-
-    Decode rows go through torch's `_weight_int8pack_mm` (int8 read once, fp32 accumulation), a single row through
-    `one_row` where the backend has it (the CPU ops' int8_mm: the same sums at the memory bandwidth). A prefill chunk is
-    compute-bound, where that op is several times slower than the bf16 GEMM: there the weight is widened a block of
-    rows at a time (int8 is exact in bf16), multiplied by the bf16 GEMM and scaled per output, so no full-size copy
-    of the weight ever exists."""
-
-    def __init__(self, weight: Tensor, one_row=None):
-        self.shape = weight.shape
-        self.weight, self.scales = quantize_int8(weight)
-        self.direct = weight.shape[1] % ALIGN == 0
-        self.one_row = one_row
-
-    def __call__(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] == 1 and self.one_row is not None:
-            y = self.one_row(flat, self.weight, self.scales)
-        elif flat.shape[0] <= DECODE_ROWS and self.direct:
-            y = int8_mm(flat.contiguous(), self.weight, self.scales)
-        else:
-            y = flat.new_empty(flat.shape[0], self.shape[0])
-            for a in range(0, self.shape[0], BLOCK):
-                w, s = self.weight[a : a + BLOCK].to(x.dtype), self.scales[a : a + BLOCK].float()
-                y[:, a : a + BLOCK] = F.linear(flat, w).float() * s
-        return y.view(*x.shape[:-1], self.shape[0])

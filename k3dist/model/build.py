@@ -5,23 +5,15 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels.backend import Kernels
-from ..kernels.linear import Linear
-from ..kernels.moe import ONE_OP_TOKENS, DenseExperts, dense_wanted
-from ..kernels.quant import Int8Linear
 from ..weights.quant_plan import quantized
 from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
+from .experts import DenseExperts, experts_dense
 from .kda import KDA
+from .linear import Int8Linear, Linear
 from .mla import MLA
 from .moe import DenseMLP, MoE
 from .tp import TPComm
-
-
-def experts_dense(cfg: ModelConfig, batch: int, pack: bool, kernels: Kernels) -> bool:
-    """Whether build_model holds the MoE experts dense (kernels/moe.py's dense_wanted): never where the one-op CPU
-    block serves the batch (one expert group, at most ONE_OP_TOKENS decode tokens). The memory plan asks the same."""
-    one_op = kernels.moe_decode is not None and cfg.num_expert_group == 1 and batch <= ONE_OP_TOKENS
-    return dense_wanted(cfg.num_experts, cfg.top_k, batch, pack, one_op)
 
 
 def build_model(
@@ -30,17 +22,20 @@ def build_model(
     comm: TPComm,
     cache: HybridCache,
     kernels: Kernels,
+    *,
     router_weights: str = "unbiased",
     pack: bool = False,
+    dense: bool | None = None,
     quant: str = "none",
 ) -> K3Model:
-    """With `pack`, the projections' weights are reordered for oneDNN one at a time (kernels/linear.py) and the
-    plain ones leave `weights`, so at most one weight exists twice at any moment (three times for a dense expert
-    layout's w2: plain, permuted, packed). With `quant="int8"` the projections weights/quant_plan.py names become
-    int8 the same way, one at a time (kernels/quant.py)."""
+    """With `pack`, the projections' weights are reordered for oneDNN one at a time (linear.py) and the plain ones
+    leave `weights`, so at most one weight exists twice at any moment (three times for a dense expert layout's w2:
+    plain, permuted, packed). `dense`: the MoE experts held as one dense GEMM pair (the run plan's decision; None:
+    experts.py's policy for this cache's batch, for tests and benchmarks). With `quant="int8"` the projections
+    weights/quant_plan.py names become int8 the same way, one at a time."""
     w = weights.__getitem__
     dtype = weights["model.embed_tokens.weight"].dtype
-    dense = experts_dense(cfg, cache.batch, pack, kernels)
+    dense = experts_dense(cfg, cache.batch, pack, kernels) if dense is None else dense
 
     def dense_experts(prefix: str) -> DenseExperts | None:
         if not dense:

@@ -10,6 +10,6 @@ __all__ = ["gated_rmsnorm", "rmsnorm", "swiglu"]
 
 def swiglu(x: Tensor, gate_up, down) -> Tensor:
     """down(silu(gate x) * up x); `gate_up` holds the gate rows then the up rows ([2I, D], column-parallel).
-    The weights are kernels.linear.Linear objects."""
+    The weights are model/linear.py's Linear (or Int8Linear) objects."""
     gate, up = gate_up(x).chunk(2, dim=-1)
     return down(F.silu(gate) * up)

@@ -1,7 +1,7 @@
 """MoE (docs/model.md): sigmoid router with a selection-only correction bias, routed SwiGLU experts split by expert
 size over ranks, a shared expert, and one all-reduce for the whole block. No path reads anything on the host:
 decode gathers the chosen experts' weights, prefill groups tokens by expert with static shapes; or, where the
-batch covers the experts on a CPU, every expert runs as one dense GEMM pair (kernels/moe.py's `dense_wanted`); or,
+batch covers the experts on a CPU, every expert runs as one dense GEMM pair (experts.py's `dense_wanted`); or,
 with the CPU kernels and up to ONE_OP_TOKENS decode tokens, the whole block after the router's GEMV is one op
 (kernels/cpu_ops.py), reading the stacked and shared weights in place."""
 
@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.linear import Linear
-from ..kernels.moe import ONE_OP_TOKENS, DenseExperts, experts_gathered, experts_grouped, experts_sorted
+from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
+from .experts import ONE_OP_TOKENS, DenseExperts
 from .layers import swiglu
+from .linear import Linear
 
 
 class MoE:

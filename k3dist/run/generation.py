@@ -78,7 +78,17 @@ def generate(
     cache = HybridCache(cfg, rt.world, s.generate.batch, s.cache.cap, dtype, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     kernels = select(s.kernels.backend, rt.device)
-    model = build_model(cfg, weights, comm, cache, kernels, s.model.router_weights, plan.pack, s.model.quant)
+    model = build_model(
+        cfg,
+        weights,
+        comm,
+        cache,
+        kernels,
+        router_weights=s.model.router_weights,
+        pack=plan.pack,
+        dense=plan.dense,
+        quant=s.model.quant,
+    )
     step = DecodeStep(model, cache, plan.modes, plan.kind, width=WIDEST if plan.serving else TOP)
     runner = Runner(step, s.generate.prefill_chunk, s.fault, rt.rank, SnapshotStore(cache) if reuse else None)
     channel = Channel(rt, s.dist.check_tokens)

@@ -18,9 +18,9 @@ from ..engine.runtime import RuntimeMemory, runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
 from ..engine.step import TOP, WIDEST, capture_kind
 from ..kernels.backend import select
-from ..kernels.linear import packable
-from ..model.build import experts_dense
 from ..model.cache import cache_nbytes, cache_shapes
+from ..model.experts import experts_dense
+from ..model.linear import packable
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
 from ..weights.quant_plan import int8_terms
@@ -35,7 +35,7 @@ class RunPlan:
     longest: int  # the longest prompt planned for
     kind: str  # how the decode step runs: eager, graph or compile
     pack: bool  # weights packed for oneDNN at bind time
-    dense: bool  # MoE experts held dense (model/build.py)
+    dense: bool  # MoE experts held as one dense GEMM pair (model/experts.py)
     reuse: bool  # prefix snapshots on
     runtimes: dict[int, RuntimeMemory]  # by rank, for the ranks planned (rank 0 of a server also serves HTTP)
     terms: dict[int, MemoryTerms]  # by rank, for the ranks planned
@@ -62,7 +62,7 @@ def plan_run(
         longest = 1
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     pack = run != "load" and kind == "eager" and packable(dtype, device)
-    dense = experts_dense(cfg, g.batch, pack, select(s.kernels.backend, device))  # as build_model will
+    dense = experts_dense(cfg, g.batch, pack, select(s.kernels.backend, device))
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
     host = s.prefix.host_bytes if device.type == "cpu" else 0
@@ -98,7 +98,7 @@ def plan_run(
 
 def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, pack: bool, dense: bool, int8: bool, transient: int):
     """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
-    dense experts (kernels/moe.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
+    dense experts (model/experts.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
     int8 (weights/quant_plan.py) makes one int8 copy at a time instead (`transient`), and the LM head is then not
     packed."""
     if not pack:

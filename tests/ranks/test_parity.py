@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from k3dist.kernels import cpu_ops
-from k3dist.kernels.linear import packable
 from safetensors.torch import load_file
 
 from k3dist.config import load_config
+from k3dist.kernels import cpu_ops
+from k3dist.model.linear import packable
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import generate, teacher_forced

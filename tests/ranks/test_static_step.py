@@ -4,7 +4,6 @@ tests/ranks/test_parity.py.)"""
 
 import pytest
 import torch
-from k3dist.kernels.linear import packable
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -14,6 +13,7 @@ from k3dist.engine.logits import NONE, PENALTIES, Processing
 from k3dist.engine.runner import Runner
 from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.engine.step import DecodeStep
+from k3dist.model.linear import packable
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import bind, dense_layers

@@ -1,8 +1,6 @@
 """Drive k3dist's real pipeline on spawned ranks for tests: load a checkpoint, then prefill and decode."""
 
 import torch
-from k3dist.kernels.backend import select
-from k3dist.kernels.linear import packable
 from safetensors.torch import save_file
 
 from k3dist.base import dist
@@ -10,8 +8,10 @@ from k3dist.base.dtypes import BY_NAME
 from k3dist.config import load_config, validate_topology
 from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.engine.step import DecodeStep
+from k3dist.kernels.backend import select
 from k3dist.model.build import build_model
 from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+from k3dist.model.linear import packable
 from k3dist.model.tp import TPComm
 from k3dist.weights.inventory import scan
 from k3dist.weights.loader import load_weights
@@ -39,12 +39,12 @@ def bind(
     cache = HybridCache(cfg, rt.world, batch, cap, dt, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     pack = pack and packable(dt, rt.device)
-    model = build_model(cfg, store.tensors, comm, cache, select(backend, rt.device), router, pack)
+    model = build_model(cfg, store.tensors, comm, cache, select(backend, rt.device), router_weights=router, pack=pack)
     return rt, cfg, model, cache
 
 
 def dense_layers(model) -> int:
-    """How many MoE layers hold their experts dense (kernels/moe.py)."""
+    """How many MoE layers hold their experts dense (model/experts.py)."""
     return sum(getattr(layer.mlp, "dense", None) is not None for layer in model.layers)
 
 

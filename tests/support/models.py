@@ -2,9 +2,9 @@
 for tests that need the model's math but not checkpoint files or ranks."""
 
 import torch
-from k3dist.kernels.backend import select
 
 from k3dist.config import parse_config
+from k3dist.kernels.backend import select
 from k3dist.model.build import build_model
 from k3dist.model.cache import HybridCache
 from k3dist.model.tp import TPComm

@@ -4,6 +4,7 @@ op against decoding its tokens one by one (bit for bit) and against the chunked 
 import pytest
 import torch
 import torch.nn.functional as F
+
 from k3dist.kernels import cpu_ops, kda, kda_fused, mla
 from k3dist.kernels.backend import select
 from k3dist.kernels.conv import causal_conv_prefill

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from k3dist.kernels import conv, kda, mla
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+from k3dist.kernels import conv, kda, mla
 
 
 def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:

@@ -3,15 +3,10 @@ GEMMs; dense experts where a batch covers them) equal a loop over experts; the t
 
 import pytest
 import torch
-from k3dist.kernels.linear import packable
-from k3dist.kernels.moe import (
-    DenseExperts,
-    dense_wanted,
-    experts_gathered,
-    experts_grouped,
-    experts_loop,
-    experts_sorted,
-)
+
+from k3dist.kernels.moe import experts_gathered, experts_grouped, experts_loop, experts_sorted
+from k3dist.model.experts import DenseExperts, dense_wanted
+from k3dist.model.linear import packable
 
 
 def _case(N: int, E: int = 12, k: int = 3, D: int = 64, I: int = 32, dtype=torch.float32, seed: int = 0):

@@ -3,13 +3,14 @@ against what build_model really holds, at several world sizes and configs."""
 
 import pytest
 import torch
-from k3dist.kernels import cpu_ops
-from k3dist.kernels.backend import select
-from k3dist.kernels.quant import Int8Linear, dequantize, int8_bytes, quantize_int8
 
 from k3dist.config import parse_config
+from k3dist.kernels import cpu_ops
+from k3dist.kernels.backend import select
+from k3dist.kernels.quant import dequantize, int8_bytes, quantize_int8
 from k3dist.model.build import build_model
 from k3dist.model.cache import HybridCache
+from k3dist.model.linear import Int8Linear
 from k3dist.model.tp import TPComm
 from k3dist.weights.quant_plan import int8_terms, quantized
 from k3dist.weights.tp_plan import plan_rank, store_shapes

@@ -1,0 +1,74 @@
+"""The weights the model multiplies by: plain `F.linear`, oneDNN's prepacked layout on CPUs with bf16 units, or
+weight-only int8 (`model.quant=int8`). These are the model's holders of its weights; the arithmetic they call is in
+kernels/ (kernels/quant.py for int8).
+
+Prepacking: on such CPUs torch's bf16 `F.linear` reads the weight at well under the memory bandwidth for one token;
+the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
+(BENCHMARKS.md). The packed copy replaces the plain one, so it costs memory only while it is made (the plan's
+`derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels.quant import int8_mm, quantize_int8
+
+
+def packable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether packing pays here: bf16 on a CPU whose oneDNN has bf16 kernels."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class Linear:
+    """x @ weight^T for a [out, in] weight, plain or prepacked."""
+
+    def __init__(self, weight: Tensor, pack: bool = False):
+        self.shape = weight.shape
+        self.packed = pack
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not self.packed:
+            return F.linear(x, self.weight)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, None, "none", [], "")
+        return y.view(*x.shape[:-1], self.shape[0])
+
+
+DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the int8 GEMM; wider ones (prefill) the blocks below
+ALIGN = 16  # torch 2.13's CPU _weight_int8pack_mm reads garbage or crashes unless in % 16 == 0 (and checks nothing)
+BLOCK = 4096  # weight rows dequantised at a time for a wide input: the bf16 transient stays BLOCK x in
+
+
+class Int8Linear:
+    """`Linear`'s interface over an int8 weight (made here, at bind time, from the compute-dtype one).
+
+    Decode rows go through torch's `_weight_int8pack_mm` (int8 read once, fp32 accumulation), a single row through
+    `one_row` where the backend has it (the CPU ops' int8_mm: the same sums at the memory bandwidth). A prefill chunk is
+    compute-bound, where that op is several times slower than the bf16 GEMM: there the weight is widened a block of
+    rows at a time (int8 is exact in bf16), multiplied by the bf16 GEMM and scaled per output, so no full-size copy
+    of the weight ever exists."""
+
+    def __init__(self, weight: Tensor, one_row=None):
+        self.shape = weight.shape
+        self.weight, self.scales = quantize_int8(weight)
+        self.direct = weight.shape[1] % ALIGN == 0
+        self.one_row = one_row
+
+    def __call__(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] == 1 and self.one_row is not None:
+            y = self.one_row(flat, self.weight, self.scales)
+        elif flat.shape[0] <= DECODE_ROWS and self.direct:
+            y = int8_mm(flat.contiguous(), self.weight, self.scales)
+        else:
+            y = flat.new_empty(flat.shape[0], self.shape[0])
+            for a in range(0, self.shape[0], BLOCK):
+                w, s = self.weight[a : a + BLOCK].to(x.dtype), self.scales[a : a + BLOCK].float()
+                y[:, a : a + BLOCK] = F.linear(flat, w).float() * s
+        return y.view(*x.shape[:-1], self.shape[0])
