@@ -34,7 +34,7 @@ def bind(batch: int, cap: int, backend: str):
 
     from k3dist.base import dist
     from k3dist.config import load_config
-    from k3dist.engine.step import DecodeStep
+    from k3dist.engine.decode_step import DecodeStep
     from k3dist.kernels.backend import select
     from k3dist.model.build import build_model
     from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes

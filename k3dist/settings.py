@@ -13,7 +13,7 @@ import torch
 
 from .base.dtypes import COMPUTE, compute_dtype
 from .base.errors import K3Error
-from .base.faults import Faults
+from .base.fault_injection import Faults
 from .base.units import parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -300,7 +300,7 @@ def parse(job: dict) -> Settings:
             max_new_tokens=gen.integer("max_new_tokens", 0),
             stop=_stop(gen),
             temperature=gen.number("temperature"),
-            top_p=gen.number("top_p", 0.0, 1.0, open_low=True),  # as a request's own top_p (text/requests.py)
+            top_p=gen.number("top_p", 0.0, 1.0, open_low=True),  # as a request's own top_p (text/prompt_file.py)
             top_k=gen.integer("top_k"),
             seed=gen.integer("seed"),
             stream=gen.choice("stream", ("auto", "on", "off")),

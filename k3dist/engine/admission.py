@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .control import Admit
 from .prefix import Moves, PrefixIndex
-from .requests import Prompt
+from .sequences import Prompt
 
 
 @dataclass

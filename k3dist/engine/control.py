@@ -61,7 +61,7 @@ class Window:
     rows: int | None = None  # eager steps: the MLA cache rows no live slot gets past in this window
     active: int | None = None  # eager steps: the slots stepped (every live one is below it)
     mode: SamplingMode = GREEDY  # the least sampling mode covering the live slots
-    top: int = 5  # top logits the window's emits gather (step.py's TOP, or more when a live slot asks for more)
+    top: int = 5  # top logits the window's emits gather (decode_step.py's TOP, or more when a live slot asks for more)
     report: bool = False  # after the window every rank reports the memory it holds (watch.py)
     stop: int | None = None  # shutdown: every rank leaves its loop (the exit code, 0 for a normal end)
     masks: tuple[int, ...] = ()  # slots whose grammar masks come with this window ...

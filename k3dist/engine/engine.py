@@ -1,12 +1,13 @@
-"""The engine, on rank 0: requests in (`add`, `abort`), events out (`step`), over a fixed batch of slots.
+"""The engine, on rank 0: requests in (`add`, `abort`), events out (`run_window`), over a fixed batch of slots.
 
-`step()` is nano-vllm's: schedule, run, postprocess. Schedule plans the window's prefill (admission.py: newcomers
-take free slots, long prompts go in pieces within a token budget) and sizes its decode (at most `decode.sync_every`
-steps, fewer when a slot reaches its budget sooner); the window goes to every rank (control.py) and every rank runs
-it (runner.py); postprocess reads the new tokens once, ends sequences at an eos id, a stop string or their budget,
-and frees their slots for the next window. The host looks at the device only there. The offline run and the server
-drive this same engine; the other ranks only follow its records. Requests under a grammar also have their matchers
-advanced there, and their next masks go out with the next window (grammar.py).
+Words: a *decode step* is one token for every live slot (engine/decode_step.py's `DecodeStep` runs one); a *window*
+is what `run_window()` does, nano-vllm's `step()`: schedule, run, postprocess. Schedule plans the window's prefill
+(admission.py: newcomers take free slots, long prompts go in pieces within a token budget) and sizes its decode (at
+most `decode.sync_every` decode steps, fewer when a slot reaches its budget sooner); the window goes to every rank
+(control.py) and every rank runs it (runner.py); postprocess reads the new tokens once, ends sequences at an eos id,
+a stop string or their budget, and frees their slots for the next window. The host looks at the device only there.
+The offline run and the server drive this same engine; the other ranks only follow its records. Requests under a
+grammar also have their matchers advanced there, and their next masks go out with the next window (grammar.py).
 """
 
 import math
@@ -16,12 +17,12 @@ from dataclasses import dataclass, field, replace
 from ..base.errors import K3Error
 from .admission import Admission
 from .control import Channel, Window
+from .decode_step import TOP
 from .grammar import Masks
 from .prefix import PrefixIndex
-from .requests import Completion, Event, Prompt
 from .runner import Runner
 from .sampling import SamplingMode
-from .step import TOP
+from .sequences import Completion, Event, Prompt
 from .watch import MemoryWatch
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
@@ -52,7 +53,7 @@ class Engine:
         """`prefix`: the index of prefix snapshots (None: no reuse); `watch`: every rank's memory against its plan,
         reported with a window now and then (a server's); `prefill_budget`: prompt tokens a window may prefill (None:
         one prefill chunk)."""
-        self.runner, self.channel, self.step_fn = runner, channel, runner.step
+        self.runner, self.channel, self.decode_step = runner, channel, runner.decode_step
         self.cache, self.watch = runner.cache, watch
         self.sync_every, self.eos, self.make_assembler = sync_every, set(eos_ids), make_assembler
         self.admission = Admission(runner.prefill_chunk, prefill_budget or runner.prefill_chunk, prefix)
@@ -109,14 +110,14 @@ class Engine:
                 return True
         return False
 
-    def step(self) -> list[Event]:
+    def run_window(self) -> list[Event]:
         """One window: schedule, run on every rank, postprocess. Returns what happened to each request."""
         events, self.done = self.done, []
         window = self._reporting(self._schedule(events))
         self.channel.send(window)
         self.runner.run(window)
         self.timings.decode_tokens += window.steps * len(self.live)
-        self.channel.compare(window, self.step_fn.out_tokens)
+        self.channel.compare(window, self.decode_step.out_tokens)
         self._report(window)
         return events + self._postprocess(window)
 
@@ -172,7 +173,7 @@ class Engine:
         if constrained:  # a new constrained slot's second token needs its first one read (grammar.py)
             steps = 0
         rows = active = None
-        if self.step_fn.kind == "eager":  # no slot of interest gets past this row or this slot in the window
+        if self.decode_step.kind == "eager":  # no slot of interest gets past this row or this slot in the window
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps
             rows = min(self.cache.cap, -(-last // ROW_BUCKET) * ROW_BUCKET)
             active = max(self.live) + 1  # slots are taken lowest first, so the live ones gather at the front
@@ -199,7 +200,7 @@ class Engine:
             s.produced += window.steps
         lo = min(s.read for s in self.live.values())
         hi = max(s.produced for s in self.live.values())
-        tokens = self.step_fn.out_tokens[:, lo:hi].tolist()
+        tokens = self.decode_step.out_tokens[:, lo:hi].tolist()
         wanted = any(s.prompt.logprobs is not None for s in self.live.values())
         scored = self._logprobs(lo, hi, window.top) if wanted else None
         for slot, s in list(self.live.items()):
@@ -209,7 +210,7 @@ class Engine:
             event = Event(s.prompt.id)
             if slot in scores and s.prompt.prompt_logprobs is not None:
                 event.prompt_logprobs = scores[slot].entries()
-            finished = self._take(slot, s, new, event)
+            finished = self._accept_tokens(slot, s, new, event)
             if scored is not None and s.prompt.logprobs is not None:
                 event.logprobs = [scored(slot, at + i, s.prompt.logprobs) for i in range(len(event.tokens))]
                 s.out.logprobs += event.logprobs
@@ -231,7 +232,7 @@ class Engine:
 
     def _logprobs(self, lo: int, hi: int, k: int):
         """The window's log-probabilities, read once: (slot, index, k) -> (chosen token's, [(id, logprob) x k])."""
-        st = self.step_fn
+        st = self.decode_step
         ids, top = st.top_ids[:, lo:hi, :k].tolist(), st.top_values[:, lo:hi, :k].tolist()
         lse, chosen = st.out_lse[:, lo:hi].tolist(), st.out_logit[:, lo:hi].tolist()
 
@@ -241,7 +242,7 @@ class Engine:
 
         return scored
 
-    def _take(self, slot: int, s: _Live, new: list[int], event: Event) -> bool:
+    def _accept_tokens(self, slot: int, s: _Live, new: list[int], event: Event) -> bool:
         """Append tokens up to the first stop; True when the sequence is over. Before `min_tokens` tokens no stop
         string counts (eos and stop ids cannot come: the step holds them back)."""
         p = s.prompt
@@ -267,8 +268,8 @@ class Engine:
 
     def _complete(self, slot: int, s: _Live, event: Event) -> Completion:
         n = len(s.out.tokens)
-        ids = self.step_fn.top_ids[slot, :n, :TOP].tolist()
-        values = self.step_fn.top_values[slot, :n, :TOP].tolist()
+        ids = self.decode_step.top_ids[slot, :n, :TOP].tolist()
+        values = self.decode_step.top_values[slot, :n, :TOP].tolist()
         # a mask or a ban puts -inf among a row's top logits, but never first
         bad = next(((t, v) for t, row in enumerate(values) for v in row if _bad(v, row[0])), None)
         if bad is not None:  # NaN or inf weights (or config numbers) make garbage tokens, never a result
@@ -294,6 +295,6 @@ def follow(runner: Runner, channel: Channel) -> int:
         if window.stop is not None:
             return window.stop
         runner.run(window)
-        channel.compare(window, runner.step.out_tokens)
+        channel.compare(window, runner.decode_step.out_tokens)
         if window.report:
             channel.gather_memory(runner.device)

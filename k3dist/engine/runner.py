@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base.errors import K3Error
-from ..base.faults import Faults
+from ..base.fault_injection import Faults
 from .control import Admit, Window
+from .decode_step import DecodeStep
 from .prompt_logprobs import PromptScores, score
 from .sampling import GREEDY, SamplingMode, slot_seed
 from .snapshots import SnapshotStore
-from .step import DecodeStep
 
 
 def prefills_together(device_type: str) -> bool:
     """Whether same-length prompts are prefilled as one batch (CUDA: bigger GEMMs) or one sequence at a time (CPU:
     a batch gains no arithmetic efficiency there and its chunk activations fall out of cache; benchmarks/prefill.py
-    measured four 2048-token prompts at 4.2-9x one when prefilled together). runtime.py sizes prefill by it."""
+    measured four 2048-token prompts at 4.2-9x one when prefilled together). runtime_memory.py sizes prefill by it."""
     return device_type == "cuda"
 
 
@@ -68,7 +68,7 @@ class Runner:
         rank: int = 0,
         snapshots: SnapshotStore | None = None,
     ):
-        self.step, self.model, self.cache = step, step.model, step.cache
+        self.decode_step, self.model, self.cache = step, step.model, step.cache
         self.prefill_chunk, self.faults, self.rank = prefill_chunk, faults or Faults(), rank
         self.snapshots = snapshots  # None: prefix reuse is off
         self.device = self.cache.positions.device
@@ -83,7 +83,7 @@ class Runner:
 
     def run(self, window: Window) -> None:
         self.scores = {}
-        self.step.use_top(window.top)
+        self.decode_step.use_top(window.top)
         if self.snapshots is not None:  # evictions first: the pool never holds more than its bytes
             for snap in sorted(set(window.demote) - set(window.drop)):  # demoted, then pushed out of the host tier too
                 self.snapshots.demote(snap)
@@ -95,7 +95,7 @@ class Runner:
         if window.prefill:
             self.prefill(window)
         if window.masks:  # after the prefills' resets (a finished request's snapshot may share a slot)
-            self.step.processors.load_masks(window.masks, window.bitmask)
+            self.decode_step.processors.load_masks(window.masks, window.bitmask)
         if window.steps:
             self.decode(window)
 
@@ -135,12 +135,12 @@ class Runner:
         (decode steps ran over the slots while they filled), their grammar masks, one emit."""
         slots = [admit.slot for admit, _ in done]
         for admit, _ in done:
-            self.step.processors.load(admit.slot, admit.processing, admit.ids)
+            self.decode_step.processors.load(admit.slot, admit.processing, admit.ids)
         if masked := [i for i, slot in enumerate(window.masks) if slot in slots]:
-            self.step.processors.load_masks(tuple(window.masks[i] for i in masked), window.bitmask[masked])
+            self.decode_step.processors.load_masks(tuple(window.masks[i] for i in masked), window.bitmask[masked])
         rows = torch.tensor(slots, device=self.device)
-        self.step.gen.index_fill_(0, rows, 0)
-        self.step.emit(torch.stack([logits for _, logits in done]), rows, window.mode)
+        self.decode_step.gen.index_fill_(0, rows, 0)
+        self.decode_step.emit(torch.stack([logits for _, logits in done]), rows, window.mode)
 
     def _groups(self, pieces):
         """Consecutive pieces of the same token range, prefilled as one batch where that pays (CUDA)."""
@@ -194,7 +194,7 @@ class Runner:
     def _start(self, a: Admit) -> None:
         """Empty the slot, restore the request's snapshot, load its sampling settings (host-to-device writes, outside
         any step). Any integer fits: a top_k past the vocabulary cuts nothing, a seed is its low 64 bits."""
-        s, vocab = self.step, self.model.cfg.vocab_size
+        s, vocab = self.decode_step, self.model.cfg.vocab_size
         self.cache.reset_slot(a.slot)
         s.gen[a.slot] = 0
         s.temperature[a.slot], s.top_p[a.slot], s.top_k[a.slot], s.seed[a.slot] = (
@@ -213,14 +213,14 @@ class Runner:
 
     def decode(self, window: Window) -> None:
         self.stage = "decode"
-        self.step.rows, self.step.active = window.rows, window.active
+        self.decode_step.rows, self.decode_step.active = window.rows, window.active
         self.faults.after_load(self.rank, "decode")
         if self.model.threads is not None:  # the CPU's thread governor times steps, not the gaps between windows
             self.model.threads.pause()
         start = time.perf_counter()
         with self._guarded():
             for _ in range(window.steps):
-                self.step(window.mode)
+                self.decode_step(window.mode)
         _sync(self.device)
         elapsed = time.perf_counter() - start
         self.timings.decode_seconds += elapsed

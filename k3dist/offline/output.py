@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..base.outfiles import check_writable
-from ..engine.requests import Completion, Event, Prompt
+from ..engine.sequences import Completion, Event, Prompt
 
 
 def result_path(s) -> Path:
@@ -61,7 +61,7 @@ class Output:
         if self.bar is not None:
             self.bar.close()
         if self.main and self.outputs is not None:
-            from ..text.requests import write_jsonl
+            from ..text.prompt_file import write_jsonl
 
             rows = [
                 {

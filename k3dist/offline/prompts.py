@@ -8,7 +8,7 @@ import torch
 
 from ..base.errors import K3Error
 from ..config import ModelConfig
-from ..engine.requests import Prompt
+from ..engine.sequences import Prompt
 from ..settings import Settings
 
 
@@ -98,7 +98,7 @@ def _tools(text: TextTools | None) -> TextTools:
 
 
 def _from_file(path: str, s: Settings, text: TextTools | None, base: dict) -> list[Prompt]:
-    from ..text.requests import read_requests
+    from ..text.prompt_file import read_requests
 
     out = []
     for r in read_requests(path):

@@ -4,7 +4,7 @@ the engine steps until every request has ended, and the other ranks are told to 
 from collections.abc import Callable
 
 from ..engine.engine import Engine
-from ..engine.requests import Completion, Event, Prompt
+from ..engine.sequences import Completion, Event, Prompt
 
 
 def run_offline(engine: Engine, prompts: list[Prompt], on_event: Callable[[Event], None]) -> list[Completion]:
@@ -13,7 +13,7 @@ def run_offline(engine: Engine, prompts: list[Prompt], on_event: Callable[[Event
         engine.add(prompt)
     done: dict[str, Completion] = {}
     while engine.busy:
-        for event in engine.step():
+        for event in engine.run_window():
             on_event(event)
             if event.finished:
                 done[event.id] = event.completion

@@ -12,11 +12,11 @@ from ..base import dist, signals
 from ..base.failures import after_load, end_with_peer_failure
 from ..config import ModelConfig
 from ..engine.control import Channel
+from ..engine.decode_step import TOP, WIDEST, DecodeStep
 from ..engine.engine import Engine, follow
 from ..engine.prefix import PrefixIndex
 from ..engine.runner import Runner
 from ..engine.snapshots import SnapshotStore, snapshot_bytes
-from ..engine.step import TOP, WIDEST, DecodeStep
 from ..engine.watch import MemoryWatch
 from ..kernels.backend import select
 from ..model.build import build_model

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..engine.decode_step import TOP, WIDEST, capture_kind
 from ..engine.prefix import BRANCH_MEMORY
-from ..engine.runtime import RuntimeMemory, runtime_memory
+from ..engine.runtime_memory import RuntimeMemory, runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
-from ..engine.step import TOP, WIDEST, capture_kind
 from ..kernels.backend import select
 from ..model.cache import cache_nbytes, cache_shapes
 from ..model.experts import experts_dense

@@ -13,7 +13,7 @@ evaluators' log-likelihood requests read (lm-eval: `max_tokens: 1, logprobs: 1, 
 
 from dataclasses import dataclass
 
-from ..engine.requests import Prompt
+from ..engine.sequences import Prompt
 from .errors import APIError, bad
 from .protocol import CompletionRequest, budget, choices, draw_seed
 

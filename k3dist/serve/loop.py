@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
-from ..engine.requests import Event, Prompt
+from ..engine.sequences import Event, Prompt
 from .errors import APIError, bad
 from .metrics import Metrics
 from .protocol import raise_unavailable
@@ -113,11 +113,11 @@ class EngineLoop:
         every request in flight and is raised again."""
         try:
             while True:
-                self._take()
+                self._take_inbox()
                 if self.state == "draining" and (not self.engine.busy or time.monotonic() > self._drain_at):
                     break
                 if self.engine.busy:
-                    events = self.engine.step()
+                    events = self.engine.run_window()
                     self._gauges()  # before any answer leaves: whoever has the answer sees it in /metrics too
                     self._dispatch(events)
                 elif not self._wake.wait(self.engine.channel.heartbeat_s):
@@ -134,7 +134,7 @@ class EngineLoop:
             self._fail_all(self.failure)
             raise
 
-    def _take(self) -> None:
+    def _take_inbox(self) -> None:
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -192,7 +192,7 @@ class EngineLoop:
         with self._lock:
             if self.state == "serving":
                 self.state = "draining"
-        self._take()
+        self._take_inbox()
         failure = Failure(message, status)
         for request_id, t in list(self._tracked.items()):
             self.engine.abort(request_id)

@@ -10,8 +10,8 @@ import secrets
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.requests import Prompt
-from ..engine.step import WIDEST
+from ..engine.decode_step import WIDEST
+from ..engine.sequences import Prompt
 from .errors import APIError, bad
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # per request (OpenAI allows 4)

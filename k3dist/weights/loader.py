@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..base.dist import Runtime, agree, node_id
 from ..base.errors import K3Error
-from ..base.faults import Faults
+from ..base.fault_injection import Faults
 from ..base.units import fmt_bytes
 from .inventory import Inventory, layout
 from .memory import WEIGHTS_ONLY, MemoryPlan, MemoryTerms, detect_free, memory_plan

@@ -87,7 +87,7 @@ def test_an_unexpected_exception_is_one_line_naming_rank_and_place(ckpt, tmp_pat
     lines = error_lines(text)
     assert rc == 1 and len(lines) == 1, text  # rank 1 (if any) had finished: only rank 0 speaks
     assert lines[0].startswith("error: rank 0: unexpected RuntimeError: injected failure in result"), text
-    assert "at faults.py:" in lines[0] and "Traceback" not in text
+    assert "at fault_injection.py:" in lines[0] and "Traceback" not in text
     assert not out.exists() and leftovers(tmp_path) == []
 
 

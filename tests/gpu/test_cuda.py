@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from k3dist.engine.control import Admit
-from k3dist.engine.requests import Prompt
+from k3dist.engine.decode_step import DecodeStep
 from k3dist.engine.sampling import GREEDY
-from k3dist.engine.step import DecodeStep
+from k3dist.engine.sequences import Prompt
 from k3dist.model.tp import TPComm
 from tests.support.configs import small_config, twin_config
 from tests.support.harness import local_engine, run_all

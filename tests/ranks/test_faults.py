@@ -17,7 +17,7 @@ import torch
 
 from k3dist.base import dist
 from k3dist.base.errors import K3Error
-from k3dist.base.faults import Faults
+from k3dist.base.fault_injection import Faults
 from k3dist.config import load_config
 from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import INDEX, scan

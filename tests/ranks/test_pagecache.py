@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3dist.base import dist
-from k3dist.base.faults import Faults
+from k3dist.base.fault_injection import Faults
 from k3dist.config import load_config
 from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.inventory import scan

@@ -9,10 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3dist.base import dist
 from k3dist.engine.control import Admit
+from k3dist.engine.decode_step import DecodeStep
 from k3dist.engine.logits import NONE, PENALTIES, Processing
 from k3dist.engine.runner import Runner
 from k3dist.engine.sampling import GREEDY, SamplingMode
-from k3dist.engine.step import DecodeStep
 from k3dist.model.linear import packable
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config

@@ -6,8 +6,8 @@ from safetensors.torch import save_file
 from k3dist.base import dist
 from k3dist.base.dtypes import BY_NAME
 from k3dist.config import load_config, validate_topology
+from k3dist.engine.decode_step import DecodeStep
 from k3dist.engine.sampling import GREEDY, SamplingMode
-from k3dist.engine.step import DecodeStep
 from k3dist.kernels.backend import select
 from k3dist.model.build import build_model
 from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
@@ -127,7 +127,7 @@ def generate(
     every other rank follows its windows (with dist.check_tokens on: every window, each rank's generated ids are
     compared with rank 0's) and returns None."""
     from k3dist.engine.engine import follow
-    from k3dist.engine.requests import Prompt
+    from k3dist.engine.sequences import Prompt
 
     ready = [Prompt(**({"id": f"r{i}"} | p | {"ids": tuple(p["ids"])})) for i, p in enumerate(prompts)]
     longest = max(len(p.ids) + p.max_new_tokens for p in ready)
@@ -192,7 +192,7 @@ def prefix_turns(
 
 
 def _turns(engine, turns: list[list[dict]]) -> list[dict]:
-    from k3dist.engine.requests import Prompt
+    from k3dist.engine.sequences import Prompt
 
     out, previous = [], []
     for t, turn in enumerate(turns):
@@ -207,7 +207,7 @@ def _turns(engine, turns: list[list[dict]]) -> list[dict]:
             engine.add(prompts[-1])
         done = {}
         while engine.busy:
-            for event in engine.step():
+            for event in engine.run_window():
                 if event.finished:
                     done[event.id] = event.completion
         previous = [(p, done[p.id]) for p in prompts]

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3dist.base.dist import Runtime
-from k3dist.base.faults import Faults
+from k3dist.base.fault_injection import Faults
 from k3dist.config import load_config
 from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights import reads

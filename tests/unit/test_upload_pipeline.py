@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from k3dist.base.dist import Runtime
 from k3dist.base.errors import K3Error
-from k3dist.base.faults import Faults
+from k3dist.base.fault_injection import Faults
 from k3dist.config import load_config
 from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights import loader, memory, pagecache, staging

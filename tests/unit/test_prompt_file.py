@@ -7,7 +7,7 @@ import re
 import pytest
 
 from k3dist.base.errors import K3Error
-from k3dist.text.requests import Request, read_requests, write_jsonl
+from k3dist.text.prompt_file import Request, read_requests, write_jsonl
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}]
 

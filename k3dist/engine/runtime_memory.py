@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 from ..base.allocator import PRIMITIVE_BYTES, cached_primitives
 from ..config import ModelConfig
 from ..model.mla import KEY_BLOCK
+from .decode_step import TOP, WIDEST
 from .logits import processor_bytes
 from .prompt_logprobs import SCORE_ROWS
 from .runner import prefills_together
-from .step import TOP, WIDEST
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
