@@ -99,7 +99,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def kda_args(B: int, H: int, seed: int) -> list:
-    """Arguments of kda_decode_fused, bf16 activations and an fp32 state, on the GPU."""
+    """Arguments of kda_decode_fused (qkv, g_raw, beta_raw, gate, conv_state, state, layer), bf16 activations and an
+    fp32 state, on the GPU."""
+    from k3dist.kernels.kda_fused import KDALayer
+
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     P, d, K, bf = H * KDA_D, KDA_D, KDA_K, torch.bfloat16
 
@@ -107,19 +110,11 @@ def kda_args(B: int, H: int, seed: int) -> list:
         return (s * torch.randn(*shape, generator=gen, device=DEVICE)).to(dtype)
 
     dt = torch.empty(P, device=DEVICE).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
-    return [
-        randn(B, 3, P),
-        randn(B, K - 1, 3, P),
-        randn(3, P, K, s=0.5),
-        randn(B, P, s=3.0),
-        randn(B, H),
-        randn(B, P),
-        torch.empty(H, device=DEVICE).uniform_(1.0, 16.0, generator=gen).log(),
-        dt + torch.log(-torch.expm1(-dt)),
-        randn(d, s=0.1) + 1.0,
-        1e-5,
-        randn(B, H, d, d, dtype=torch.float32, s=0.1),
-    ]
+    qkv, conv_state, conv_w = randn(B, 3, P), randn(B, K - 1, 3, P), randn(3, P, K, s=0.5)
+    g_raw, beta_raw, gate = randn(B, P, s=3.0), randn(B, H), randn(B, P)
+    A_log = torch.empty(H, device=DEVICE).uniform_(1.0, 16.0, generator=gen).log()
+    layer = KDALayer(conv_w, A_log, dt + torch.log(-torch.expm1(-dt)), randn(d, s=0.1) + 1.0, 1e-5)
+    return [qkv, g_raw, beta_raw, gate, conv_state, randn(B, H, d, d, dtype=torch.float32, s=0.1), layer]
 
 
 def fla_args(args: list) -> list:
@@ -127,7 +122,8 @@ def fla_args(args: list) -> list:
     from k3dist.kernels.conv import causal_conv_step
     from k3dist.kernels.kda import kda_gate
 
-    qkv, conv_state, conv_w, g_raw, beta_raw, _, A_log, dt_bias, _, _, state = args
+    qkv, g_raw, beta_raw, _, conv_state, state, layer = args
+    conv_w, A_log, dt_bias = layer.conv_w, layer.A_log, layer.dt_bias
     B, _, P = qkv.shape
     H = beta_raw.shape[-1]
     cs = conv_state.clone()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .kda_fused import KDALayer
+
 log = logging.getLogger("k3dist")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -76,15 +78,15 @@ def _register_fakes() -> None:
             pass
 
 
-def _kda_fake(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+def _kda_fake(qkv, *_):  # the op's schema: qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, ...
     return qkv.new_empty(qkv.shape[0], qkv.shape[2])
 
 
-def _kda_prefill_fake(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+def _kda_prefill_fake(qkv, *_):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[3])
 
 
-def _moe_fake(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased):
+def _moe_fake(x, *_):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
@@ -106,20 +108,26 @@ def available() -> bool:
     return build_error() is None
 
 
-def kda_decode(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+def _kda_op(op, inputs: tuple, conv_state, state, layer: KDALayer):
+    """The C++ ops take the layer's constants one by one, in their schema's order."""
+    (qkv, g_raw, beta_raw, gate), L = inputs, layer
+    return op(qkv, conv_state, L.conv_w, g_raw, beta_raw, gate, L.A_log, L.dt_bias, L.o_norm, L.eps, state)
+
+
+def kda_decode(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDALayer):
     """kernels/kda_fused.py's kda_decode_fused, as one op (same signature, same roundings)."""
-    args = (qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state)
-    return torch.ops.k3dist.kda_decode(*args)
+    return _kda_op(torch.ops.k3dist.kda_decode, (qkv, g_raw, beta_raw, gate), conv_state, state, layer)
 
 
-def kda_prefill(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+def kda_prefill(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDALayer):
     """kda_decode over a chunk of T tokens per sequence: qkv [n, T, 3, P], g_raw and gate [n, T, P], beta_raw
     [n, T, H], the states as kda_decode's. Returns [n, T, P]: exactly what decoding the tokens one by one returns."""
-    args = (qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state)
-    return torch.ops.k3dist.kda_prefill(*args)
+    return _kda_op(torch.ops.k3dist.kda_prefill, (qkv, g_raw, beta_raw, gate), conv_state, state, layer)
 
 
-def moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k: int, renormalize: bool, scale: float, biased: bool):
+def moe_decode(
+    x, logits, *, bias, w13, w2, shared13, shared2, top_k: int, renormalize: bool, scale: float, biased: bool
+):
     """A decode MoE block from the router logits [N, E] fp32 on: routing (one group), the chosen experts from the
     stacked w13 [E, 2I, D] / w2 [E, D, I], plus the shared expert (gate_up [2Is, D], down [D, Is], or None).
     Returns [N, D] fp32, as MoE._forward's experts + shared sum before the all-reduce."""

@@ -5,6 +5,8 @@ version does the reference math (conv.py, kda.py, norm.py) with exactly the mode
 once, so it is both the oracle for the Triton kernel (kda_triton.py) and a CPU path with few ops.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -13,28 +15,28 @@ from .kda import kda_gate
 from .norm import gated_rmsnorm
 
 
-def kda_decode_fused(
-    qkv: Tensor,
-    conv_state: Tensor,
-    conv_w: Tensor,
-    g_raw: Tensor,
-    beta_raw: Tensor,
-    gate: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    o_norm: Tensor,
-    eps: float,
-    state: Tensor,
-) -> Tensor:
+@dataclass(frozen=True)
+class KDALayer:
+    """A KDA layer's constants, as the core reads them: conv_w [3, P, K]; A_log [H] fp32; dt_bias [P] fp32;
+    o_norm [d]; eps of the gated RMSNorm. P = H * d."""
+
+    conv_w: Tensor
+    A_log: Tensor
+    dt_bias: Tensor
+    o_norm: Tensor
+    eps: float
+
+
+def kda_decode_fused(qkv: Tensor, g_raw: Tensor, beta_raw: Tensor, gate: Tensor, conv_state, state, layer: KDALayer):
     """One token per sequence through KDA's recurrent core.
 
-    qkv: [B, 3, P] pre-conv q, k, v projections (compute dtype); conv_state: [B, K-1, 3, P] previous pre-conv
-    inputs, oldest first, token-major, contiguous in its last two dims, updated in place; conv_w: [3, P, K];
-    g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] = b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x))
-    before the sigmoid; A_log: [H] fp32; dt_bias: [P] fp32; o_norm: [d]; state: [B, H, d, d] fp32 key-major,
-    updated in place. P = H * d.
+    qkv: [B, 3, P] pre-conv q, k, v projections (compute dtype); g_raw: [B, P] = f_b(f_a(x)); beta_raw: [B, H] =
+    b_proj(x) before the sigmoid; gate: [B, P] = g_b(g_a(x)) before the sigmoid; conv_state: [B, K-1, 3, P] previous
+    pre-conv inputs, oldest first, token-major, contiguous in its last two dims, updated in place; state:
+    [B, H, d, d] fp32 key-major, updated in place.
     Returns [B, P] in qkv's dtype: the gated, normed output that o_proj reads.
     """
+    conv_w, A_log, dt_bias, o_norm, eps = layer.conv_w, layer.A_log, layer.dt_bias, layer.o_norm, layer.eps
     B, _, P = qkv.shape
     H = beta_raw.shape[-1]
     d = P // H

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .kda_fused import KDALayer
 from .triton_cast import round_to
 
 
@@ -184,26 +185,14 @@ def _num_warps(tile: int) -> int:
 
 def kda_decode_fused(*args, **kwargs) -> Tensor:
     """One token per sequence through KDA's recurrent core: the arguments, shapes and semantics of
-    `kda_fused.kda_decode_fused` (qkv [B, 3, P], conv_state [B, K-1, 3, P] and state [B, H, d, d] fp32 updated in
-    place, ...). Any strides for the per-token tensors and the two states. Returns [B, P] in qkv's dtype."""
+    `kda_fused.kda_decode_fused` (the two states updated in place). Any strides for the per-token tensors and the
+    two states. Returns [B, P] in qkv's dtype."""
     return _kda_decode_fused(*args, **kwargs)
 
 
-def _kda_decode_fused(
-    qkv: Tensor,
-    conv_state: Tensor,
-    conv_w: Tensor,
-    g_raw: Tensor,
-    beta_raw: Tensor,
-    gate: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    o_norm: Tensor,
-    eps: float,
-    state: Tensor,
-    block_v: int | None = None,
-) -> Tensor:
+def _kda_decode_fused(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDALayer, *, block_v=None) -> Tensor:
     """The launcher, with the value-block width exposed (tests use a narrow one to walk several blocks)."""
+    conv_w, A_log, dt_bias, o_norm, eps = layer.conv_w, layer.A_log, layer.dt_bias, layer.o_norm, layer.eps
     B, three, P = qkv.shape
     H = beta_raw.shape[-1]
     d = P // H

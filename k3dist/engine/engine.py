@@ -43,6 +43,7 @@ class Engine:
         self,
         runner: Runner,
         channel: Channel,
+        *,
         sync_every: int,
         eos_ids: tuple[int, ...] = (),
         make_assembler: Callable | None = None,

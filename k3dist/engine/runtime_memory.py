@@ -64,7 +64,7 @@ class RuntimeMemory:
 
 
 def _prefill(
-    cfg: ModelConfig, world: int, tokens: int, seqs: int, longest: int, s: int, cpu: bool = True, dense: bool = False
+    cfg: ModelConfig, world: int, *, tokens: int, seqs: int, longest: int, s: int, cpu: bool = True, dense: bool = False
 ) -> int:
     """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions
     (on the CPU MLA expands at most one key block of them at a time)."""
@@ -115,6 +115,7 @@ def mla_decode_bytes(cfg: ModelConfig, world: int, batch: int, cap: int) -> int:
 def runtime_memory(
     cfg: ModelConfig,
     world: int,
+    *,
     batch: int,
     longest_prompt: int,
     prefill_chunk: int,
@@ -134,7 +135,16 @@ def runtime_memory(
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
-    prefill = _prefill(cfg, world, tokens, together, longest_prompt, s, device_type == "cpu", dense_experts)
+    prefill = _prefill(
+        cfg,
+        world,
+        tokens=tokens,
+        seqs=together,
+        longest=longest_prompt,
+        s=s,
+        cpu=device_type == "cpu",
+        dense=dense_experts,
+    )
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:
         logits += batch * V * (4 * 4 + 8 * 3)  # gathered fp32 logits, scaled, sorted, probs; order, noise bits
@@ -145,7 +155,9 @@ def runtime_memory(
         score = block + together * longest_prompt * (WIDEST * (4 + 8) + 4 + 4)
     outputs += processor_bytes(batch, Vl) + batch * -(-V // 32) * 4  # logit processors; grammar bitmask rows
     if device_type == "cuda":
-        step = _prefill(cfg, world, batch, batch, 1, s, cpu=False) + logits  # a graph pool: one step's tensors
+        step = (
+            _prefill(cfg, world, tokens=batch, seqs=batch, longest=1, s=s, cpu=False) + logits
+        )  # a graph pool: one step's tensors
         device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt

@@ -10,6 +10,7 @@ from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
 from .experts import DenseExperts, experts_dense
 from .kda import KDA
+from .layers import Binding
 from .linear import Int8Linear, Linear
 from .mla import MLA
 from .moe import DenseMLP, MoE
@@ -50,22 +51,22 @@ def build_model(
             return tuple(make(part) for part in weight.unbind(0))
         return make(weight)
 
+    bind = Binding(w, lin, cfg, comm, kernels, dtype)
     layers = []
     for spec in cfg.layers:
         p = f"model.layers.{spec.index}."
         attn = p + "self_attn."
         if spec.mixer == "kda":
             conv, state = cache.layer("conv", spec.index), cache.layer("state", spec.index)
-            mixer = KDA(w, lin, attn, cfg, comm, kernels, conv, state)
+            mixer = KDA(bind, attn, conv, state)
         else:
-            mixer = MLA(w, lin, attn, cfg, comm, kernels, cache.layer("latent", spec.index))
+            mixer = MLA(bind, attn, cache.layer("latent", spec.index))
         if spec.mlp == "dense":
-            mlp = DenseMLP(lin, p + "mlp.", comm, dtype)
+            mlp = DenseMLP(bind, p + "mlp.")
         else:
             moe = p + "block_sparse_moe."
-            biased = router_weights == "biased"
-            mlp = MoE(w, lin, moe, cfg, comm, dtype, biased, dense_experts(moe), kernels.moe_decode)
+            mlp = MoE(bind, moe, biased=router_weights == "biased", dense=dense_experts(moe))
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
-    head = lin("lm_head.weight")
-    return K3Model(cfg, w("model.embed_tokens.weight"), layers, w("model.norm.weight"), head, comm, kernels)
+    embed, norm, head = w("model.embed_tokens.weight"), w("model.norm.weight"), lin("lm_head.weight")
+    return K3Model(cfg, embed=embed, layers=layers, norm=norm, head=head, comm=comm, kernels=kernels)

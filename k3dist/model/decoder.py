@@ -33,7 +33,7 @@ class DecoderLayer:
 
 
 class K3Model:
-    def __init__(self, cfg, embed: Tensor, layers: list[DecoderLayer], norm: Tensor, head: Tensor, comm, kernels):
+    def __init__(self, cfg, *, embed: Tensor, layers: list[DecoderLayer], norm: Tensor, head: Tensor, comm, kernels):
         self.cfg, self.comm, self.kernels = cfg, comm, kernels
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head  # [V_local, D]; head: a Linear
         self.dtype = embed.dtype

@@ -9,11 +9,13 @@ from torch import Tensor
 
 from ..kernels.conv import causal_conv_prefill
 from ..kernels.kda import kda_gate, kda_prefill
-from .layers import gated_rmsnorm
+from ..kernels.kda_fused import KDALayer
+from .layers import Binding, gated_rmsnorm
 
 
 class KDA:
-    def __init__(self, w, lin, prefix: str, cfg, comm, kernels, conv_state: Tensor, state: Tensor):
+    def __init__(self, b: Binding, prefix: str, conv_state: Tensor, state: Tensor):
+        w, lin, cfg = b.weight, b.linear, b.cfg
         self.in_proj = lin(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b
         self.conv_w = w(prefix + "conv1d.weight").flatten(2)  # [3, P, K]
         self.f_b, self.g_b = lin(prefix + "fg_b_proj.weight")  # stacked [2, P, d]: one Linear each
@@ -22,7 +24,8 @@ class KDA:
         self.heads, self.d = self.A_log.numel(), cfg.kda_head_dim
         P = self.heads * self.d
         self.split = (3 * P, self.d, self.d, self.heads)
-        self.eps, self.comm, self.kernels = cfg.rms_norm_eps, comm, kernels
+        self.eps, self.comm, self.kernels = cfg.rms_norm_eps, b.comm, b.kernels
+        self.layer = KDALayer(self.conv_w, self.A_log, self.dt_bias, self.o_norm, self.eps)
         self.conv_state, self.state = conv_state, state  # [B, K-1, 3, P], [B, H, d, d] fp32
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -33,8 +36,7 @@ class KDA:
         """The projections, then the backend's fused core `op` (decode or prefill: one signature) on the given conv
         and recurrent states, then o_proj and its all-reduce."""
         qkv, g_raw, beta_raw, gate = self._project(x)
-        args = (self.conv_w, g_raw, beta_raw, gate, self.A_log, self.dt_bias, self.o_norm, self.eps)
-        o = op(qkv.unflatten(-1, (3, -1)), conv, *args, state)
+        o = op(qkv.unflatten(-1, (3, -1)), g_raw, beta_raw, gate, conv, state, self.layer)
         return self.comm.all_reduce(self.o_proj(o).float())
 
     def decode(self, x: Tensor) -> Tensor:

@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.mla import attend_blocks, mla_prefill
-from .layers import rmsnorm
+from .layers import Binding, rmsnorm
 
 LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (HF remote code, transformers), not rms_norm_eps
 KEY_BLOCK = 1024  # CPU prefill expands the cached latent this many positions at a time
 
 
 class MLA:
-    def __init__(self, w, lin, prefix: str, cfg, comm, kernels, latent: Tensor):
+    def __init__(self, b: Binding, prefix: str, latent: Tensor):
+        w, lin, cfg = b.weight, b.linear, b.cfg
         self.q_kv_a = lin(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D]
         self.kv_norm = w(prefix + "kv_a_layernorm.weight")
         self.wkvb = w(prefix + "kv_b_proj.weight")  # [H * (dn + dv), r]
@@ -28,7 +29,7 @@ class MLA:
         self.w_kb, self.w_vb = per_head[:, : self.dn], per_head[:, self.dn :]  # views: no derived bytes
         self.q_rows = self.heads * (self.dn + self.dr)
         self.scale = (self.dn + self.dr) ** -0.5
-        self.comm, self.kernels = comm, kernels
+        self.comm, self.kernels = b.comm, b.kernels
         self.latent = latent  # [B, cap, r + dr]
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,29 +13,21 @@ from torch import Tensor
 
 from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
 from .experts import ONE_OP_TOKENS, DenseExperts
-from .layers import swiglu
+from .layers import Binding, swiglu
 from .linear import Linear
 
 
 class MoE:
-    def __init__(
-        self,
-        w,
-        lin,
-        prefix: str,
-        cfg,
-        comm,
-        dtype: torch.dtype,
-        biased=False,
-        dense: DenseExperts | None = None,
-        kernel=None,
-    ):
+    def __init__(self, b: Binding, prefix: str, *, biased: bool = False, dense: DenseExperts | None = None):
+        """`biased`: the combination weights include the correction bias (model.router_weights); `dense`: the
+        experts as one dense GEMM pair, else stacked."""
+        w, lin, cfg, kernel = b.weight, b.linear, b.cfg, b.kernels.moe_decode
         self.gate = w(prefix + "gate.weight")  # [E, D] fp32
         self.bias = w(prefix + "gate.e_score_correction_bias")  # [E] fp32
-        self.dense, self.dtype, self.experts = dense, dtype, cfg.num_experts
+        self.dense, self.dtype, self.experts = dense, b.dtype, cfg.num_experts
         self.top_k, self.groups, self.topk_group = cfg.top_k, cfg.num_expert_group, cfg.topk_group
         self.renormalize, self.scale, self.biased = cfg.renormalize, cfg.routed_scaling_factor, biased
-        self.comm = comm
+        self.comm = b.comm
         # the one-op CPU block (cpu_ops.moe_decode): one expert group, stacked weights, and plain shared weights
         self.kernel = kernel if dense is None and self.groups == 1 else None
         self.stacked = None
@@ -98,7 +90,17 @@ class MoE:
         shared = (self.shared[0].weight, self.shared[1].weight) if self.shared is not None else (None, None)
         s = self.stacked
         out = self.kernel(
-            flat, logits, self.bias, s["w13"], s["w2"], *shared, self.top_k, self.renormalize, self.scale, self.biased
+            flat,
+            logits,
+            bias=self.bias,
+            w13=s["w13"],
+            w2=s["w2"],
+            shared13=shared[0],
+            shared2=shared[1],
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            scale=self.scale,
+            biased=self.biased,
         )
         return self.comm.all_reduce(out).view(shape)
 
@@ -107,9 +109,9 @@ class MoE:
 
 
 class DenseMLP:
-    def __init__(self, lin, prefix: str, comm, dtype: torch.dtype):
-        self.gate_up, self.down = lin(prefix + "gate_up_proj.weight"), lin(prefix + "down_proj.weight")
-        self.comm, self.dtype = comm, dtype
+    def __init__(self, b: Binding, prefix: str):
+        self.gate_up, self.down = b.linear(prefix + "gate_up_proj.weight"), b.linear(prefix + "down_proj.weight")
+        self.comm, self.dtype = b.comm, b.dtype
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.comm.all_reduce(swiglu(x.to(self.dtype), self.gate_up, self.down).float())

@@ -116,12 +116,18 @@ def generate(
     prefix = prefix_index(s, cfg, rt.world, dtype) if reuse else None
     watch = MemoryWatch(admitted) if s.run.mode == "serve" else None
     engine = Engine(
-        runner, channel, s.decode.sync_every, eos_ids(cfg, tokenizer), text_assembler(tokenizer), prefix, watch
+        runner,
+        channel,
+        sync_every=s.decode.sync_every,
+        eos_ids=eos_ids(cfg, tokenizer),
+        make_assembler=text_assembler(tokenizer),
+        prefix=prefix,
+        watch=watch,
     )
     if s.run.mode == "serve":
         from ..serve.server import serve
 
-        return facts | serve(s, rt, engine, text, cfg, listener, model_dir, pids)
+        return facts | serve(s, rt, engine, text=text, cfg=cfg, sock=listener, model_dir=model_dir, pids=pids)
     out = Output(s, rt, prompts)
     completions = after_load(lambda: runner.stage, rt, lambda: run_offline(engine, prompts, out.on_event))
     runtime_peak = window_peak(rt.device) - held

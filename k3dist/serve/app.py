@@ -36,7 +36,7 @@ UNKNOWN_LOGGED = 64  # unknown field names logged (once each) at most: bodies of
 class Front:
     """What the routes need: the engine loop, the text tools, the model's name and limits."""
 
-    def __init__(self, loop: EngineLoop, text, model_name: str, cap: int, vocab: int, api_key, max_body: int):
+    def __init__(self, loop: EngineLoop, text, *, model_name: str, cap: int, vocab: int, api_key, max_body: int):
         self.loop, self.text, self.model_name = loop, text, model_name
         self.cap, self.vocab, self.api_key, self.max_body = cap, vocab, api_key, max_body
         self.unknown_logged: set[str] = set()
@@ -202,11 +202,21 @@ async def _generate(front: Front, request: Request, kind):
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(front, shape, events, index, batch.tokens, include, logprobs is not None, echo, tools),
+            _stream(
+                front,
+                shape,
+                events,
+                index=index,
+                prompt_len=batch.tokens,
+                include_usage=include,
+                scored=logprobs is not None,
+                echo=echo,
+                tools=tools,
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _whole(front, request, shape, events, index, batch.tokens, echo, tools)
+    return await _whole(front, request, shape, events, index=index, prompt_len=batch.tokens, echo=echo, tools=tools)
 
 
 def _sse(obj) -> str:
@@ -214,14 +224,14 @@ def _sse(obj) -> str:
 
 
 async def _stream(
-    front: Front, shape: Shape, events, index: dict, prompt_len: int, include_usage: bool, scored, echo, tools
+    front: Front, shape: Shape, events, *, index: dict, prompt_len: int, include_usage: bool, scored, echo, tools
 ):
     pending, produced, offsets = dict(index), 0, [0] * len(index)
     echoed: set[int] = set()  # choices whose prompt (echo) went out: the first chunk of each
     try:
         if shape.chat:
             for i in range(len(index)):
-                yield _sse(shape.chunk(i, "", None, None, first=True, usage=include_usage))
+                yield _sse(shape.chunk(i, "", first=True, usage=include_usage))
         while pending:
             ev = await events.get()
             if isinstance(ev, Failure):
@@ -231,7 +241,7 @@ async def _stream(
             if echo is not None and i not in echoed:
                 echoed.add(i)
                 text, head = echo.head(i, ev.prompt_logprobs)
-                yield _sse(shape.chunk(i, text, None, head, False, include_usage))
+                yield _sse(shape.chunk(i, text, logprobs=head, usage=include_usage))
                 offsets[i] = len(text)
             logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
             offsets[i] += len(ev.text)
@@ -242,8 +252,11 @@ async def _stream(
                 parts = [[call] for call in calls] or [[]]  # one tool-call delta per chunk, as OpenAI sends them
                 for k, part in enumerate(parts):
                     first, last = k == 0, k == len(parts) - 1
-                    extras = (logprobs, False, include_usage, ev.tokens) if first else (None, False, include_usage, ())
-                    yield _sse(shape.chunk(i, text if first else "", finish if last else None, *extras, part))
+                    piece = dict(logprobs=logprobs, tokens=ev.tokens) if first else {}
+                    finished = finish if last else None
+                    yield _sse(
+                        shape.chunk(i, text if first else "", finished, usage=include_usage, tool_calls=part, **piece)
+                    )
             if ev.finished:
                 del pending[ev.id]
                 produced += len(ev.completion.tokens)
@@ -255,7 +268,7 @@ async def _stream(
             front.loop.abort(list(pending))
 
 
-async def _whole(front: Front, request: Request, shape: Shape, events, index: dict, prompt_len: int, echo, tools):
+async def _whole(front: Front, request: Request, shape: Shape, events, *, index: dict, prompt_len: int, echo, tools):
     """The whole response once every choice has ended. The connection is looked at every LOOK_S whether events
     flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end.
     With `tools` each choice's text is parsed into content and tool calls."""

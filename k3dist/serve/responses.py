@@ -67,7 +67,16 @@ class Shape:
         return body | ({"prompt_token_ids": self.prompt_ids} if self.prompt_ids is not None else {})
 
     def chunk(
-        self, index: int, text: str, finish: str | None, logprobs, first: bool, usage: bool, tokens=(), tool_calls=()
+        self,
+        index: int,
+        text: str,
+        finish: str | None = None,
+        *,
+        logprobs=None,
+        first: bool = False,
+        usage: bool = False,
+        tokens=(),
+        tool_calls=(),
     ) -> dict:
         """One streamed piece of choice `index` (the first chat delta carries the role; `tool_calls`: call deltas)."""
         if self.chat:

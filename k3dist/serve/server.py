@@ -34,7 +34,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(s, rt: dist.Runtime, engine, text, cfg, sock: socket.socket, model_dir, pids: list[int]) -> dict:
+def serve(s, rt: dist.Runtime, engine, *, text, cfg, sock: socket.socket, model_dir, pids: list[int]) -> dict:
     """Serve until a signal ends the drain (the process exits here with 128 + signal) or a failure is raised.
     `pids`: every rank's process id, named in the ready line (which process is which rank)."""
     import uvicorn  # the serve extra: imported only by a server
@@ -46,7 +46,15 @@ def serve(s, rt: dist.Runtime, engine, text, cfg, sock: socket.socket, model_dir
     name = s.serve.model_name or model_dir.name
     metrics = Metrics(s.generate.batch)
     loop = EngineLoop(engine, metrics, s.serve.max_waiting, s.serve.drain_s)
-    front = Front(loop, text, name, s.cache.cap, cfg.vocab_size, s.serve.api_key, s.serve.max_body)
+    front = Front(
+        loop,
+        text,
+        model_name=name,
+        cap=s.cache.cap,
+        vocab=cfg.vocab_size,
+        api_key=s.serve.api_key,
+        max_body=s.serve.max_body,
+    )
     config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, lifespan="off", log_config=None)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="k3dist-http", daemon=True)

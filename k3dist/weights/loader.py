@@ -165,7 +165,7 @@ def readers(rt: Runtime) -> int:
 class _Loading:
     """One upload, file by file; every file ends in an agreement."""
 
-    def __init__(self, inv, plans, rt, faults, memory, pages, baseline):
+    def __init__(self, inv, plans, rt, *, faults, memory, pages, baseline):
         self.inv, self.plans, self.rt, self.faults = inv, plans, rt, faults
         self.memory, self.pages, self.baseline = memory, pages, baseline
         self.shapes = store_shapes(plans)
@@ -312,7 +312,7 @@ def upload(
 ) -> dict[str, torch.Tensor]:
     """Read rank-local slices file by file into device tensors, agreeing after each file (with `memory`, also on
     the free memory left); on failure free them all, then re-raise."""
-    loading = _Loading(inv, plans, rt, faults, memory, pages, baseline)
+    loading = _Loading(inv, plans, rt, faults=faults, memory=memory, pages=pages, baseline=baseline)
     try:
         with collector_paused():
             tensors = loading.run()

@@ -102,7 +102,7 @@ def local_engine(step, prefill_chunk: int = 8, sync_every: int = 8, eos=(), rt=N
     from k3dist.engine.engine import Engine
     from k3dist.engine.runner import Runner
 
-    return Engine(Runner(step, prefill_chunk), Channel(rt, check_tokens), sync_every, eos)
+    return Engine(Runner(step, prefill_chunk), Channel(rt, check_tokens), sync_every=sync_every, eos_ids=eos)
 
 
 def run_all(engine, prompts) -> list:

@@ -16,6 +16,12 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=f"CPU ops do not
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def _core(op, a: dict):
+    """Call a KDA core (kda_fused's signature) on named inputs."""
+    layer = kda_fused.KDALayer(a["conv_w"], a["A_log"], a["dt_bias"], a["o_norm"], a["eps"])
+    return op(a["qkv"], a["g_raw"], a["beta_raw"], a["gate"], a["conv_state"], a["state"], layer)
+
+
 def _kda_inputs(B, H, d, K, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     P = H * d
@@ -41,8 +47,8 @@ def _kda_inputs(B, H, d, K, dtype, seed=0):
 def test_kda_decode_equals_the_reference(B, H, d, K, dtype):
     ref_in, got_in = _kda_inputs(B, H, d, K, dtype), _kda_inputs(B, H, d, K, dtype)
     for _ in range(3):  # three steps: the states the op writes are the ones it reads next
-        ref = kda_fused.kda_decode_fused(**ref_in)
-        got = cpu_ops.kda_decode(**got_in)
+        ref = _core(kda_fused.kda_decode_fused, ref_in)
+        got = _core(cpu_ops.kda_decode, got_in)
         assert got.dtype == ref.dtype and got.shape == ref.shape
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: at most a last-bit difference in a few outputs
         assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
@@ -92,10 +98,11 @@ def _chunked_reference(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt
 def test_kda_prefill_is_decode_token_by_token(B, T, H, d, K, dtype):
     """States bit-identical to T decode steps, and to the same tokens prefilled in two chunks; outputs too."""
     whole, steps, split = (_kda_prefill_inputs(B, T, H, d, K, dtype) for _ in range(3))
-    got = cpu_ops.kda_prefill(**whole)
-    want = torch.stack([cpu_ops.kda_decode(**_tokens(steps, t, t + 1, one=True)) for t in range(T)], dim=1)
+    got = _core(cpu_ops.kda_prefill, whole)
+    want = torch.stack([_core(cpu_ops.kda_decode, _tokens(steps, t, t + 1, one=True)) for t in range(T)], dim=1)
     cut = T // 3 + 1
-    parts = torch.cat([cpu_ops.kda_prefill(**_tokens(split, 0, cut)), cpu_ops.kda_prefill(**_tokens(split, cut, T))], 1)
+    parts = [_core(cpu_ops.kda_prefill, _tokens(split, a, b)) for a, b in ((0, cut), (cut, T))]
+    parts = torch.cat(parts, 1)
     for other, out in ((steps, want), (split, parts)):
         assert torch.equal(got, out)
         assert torch.equal(whole["state"], other["state"]) and torch.equal(whole["conv_state"], other["conv_state"])
@@ -105,7 +112,7 @@ def test_kda_prefill_is_decode_token_by_token(B, T, H, d, K, dtype):
 @pytest.mark.parametrize("B, T, H, d, K", [(1, 40, 8, 128, 4), (2, 23, 3, 20, 3)])
 def test_kda_prefill_equals_the_chunked_reference(B, T, H, d, K, dtype):
     ref_in, got_in = _kda_prefill_inputs(B, T, H, d, K, dtype), _kda_prefill_inputs(B, T, H, d, K, dtype)
-    ref, got = _chunked_reference(**ref_in), cpu_ops.kda_prefill(**got_in)
+    ref, got = _chunked_reference(**ref_in), _core(cpu_ops.kda_prefill, got_in)
     assert got.dtype == ref.dtype and got.shape == ref.shape
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: last-bit differences in a few outputs
     assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
@@ -146,7 +153,9 @@ def test_moe_decode_equals_the_reference(N, D, E, I, k, Is, renorm, biased, dtyp
     s13, s2 = ((rand(2 * Is, D) * 0.05).to(dtype), (rand(D, Is) * 0.05).to(dtype)) if Is else (None, None)
     logits = F.linear(x, gate)
     args = (x, logits, bias, w13, w2, s13, s2, k, renorm, 2.446, biased)
-    ref, got = _moe_reference(*args), cpu_ops.moe_decode(*args)
+    names = ("bias", "w13", "w2", "shared13", "shared2", "top_k", "renormalize", "scale", "biased")
+    named = dict(zip(names, args[2:], strict=True))
+    ref, got = _moe_reference(*args), cpu_ops.moe_decode(x, logits, **named)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
@@ -154,8 +163,8 @@ def test_moe_decode_equals_the_reference(N, D, E, I, k, Is, renorm, biased, dtyp
 def test_kda_decode_traces_under_torch_compile():
     """decode.compile=on traces through the op (its fake) and keeps its in-place state writes."""
     ref_in, got_in = _kda_inputs(2, 4, 16, 4, torch.float32), _kda_inputs(2, 4, 16, 4, torch.float32)
-    ref = cpu_ops.kda_decode(**ref_in) * 2
-    got = torch.compile(lambda kw: cpu_ops.kda_decode(**kw) * 2, fullgraph=True)(got_in)
+    ref = _core(cpu_ops.kda_decode, ref_in) * 2
+    got = torch.compile(lambda kw: _core(cpu_ops.kda_decode, kw) * 2, fullgraph=True)(got_in)
     assert torch.equal(ref, got) and torch.equal(ref_in["state"], got_in["state"])
 
 

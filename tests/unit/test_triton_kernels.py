@@ -20,6 +20,7 @@ except ImportError as err:  # not installed, or installed but broken
         f"triton is not importable ({err}); pip install -e '.[gpu]' to test the kernels", allow_module_level=True
     )
 
+from k3dist.kernels.kda_fused import KDALayer  # noqa: E402
 from k3dist.kernels.kda_fused import kda_decode_fused as kda_ref  # noqa: E402
 from k3dist.kernels.kda_triton import _kda_decode_fused, kda_decode_fused  # noqa: E402
 from k3dist.kernels.mla import mla_decode as mla_ref  # noqa: E402
@@ -87,6 +88,12 @@ def _kda_inputs(B: int, H: int, d: int, K: int, dtype: torch.dtype, seed: int = 
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
 
 
+def _kda(op, a: list, **kw):
+    """Call a KDA core (kda_fused's signature) on _kda_inputs' list: qkv, conv_state, conv_w, g_raw, beta_raw, gate,
+    A_log, dt_bias, o_norm, eps, state."""
+    return op(a[0], a[3], a[4], a[5], a[1], a[10], KDALayer(a[2], a[6], a[7], a[8], a[9]), **kw)
+
+
 def _clone(args: list) -> list:
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
@@ -103,8 +110,8 @@ def _kda_steps(B, H, d, K, dtype, steps, block_v=None, device=DEV) -> list[float
             for i, shape in ((0, (B, 3, H * d)), (3, (B, H * d)), (4, (B, H)), (5, (B, H * d))):
                 want_args[i] = torch.randn(*shape, generator=gen).to(dtype).to(device)
                 got_args[i] = want_args[i].clone()
-        want = kda_ref(*want_args)
-        got = _kda_decode_fused(*got_args, block_v=block_v)
+        want = _kda(kda_ref, want_args)
+        got = _kda(_kda_decode_fused, got_args, block_v=block_v)
         errs.append(_check(got, want, TOL[dtype][0], f"out step {step}", mean_rel=TOL[dtype][1]))
         errs.append(_check(got_args[-1], want_args[-1], _state_tol(dtype, device), f"state step {step}"))
         torch.testing.assert_close(got_args[1], want_args[1], rtol=0, atol=0)  # conv state: the inputs, shifted
@@ -157,8 +164,8 @@ def test_kda_strided_views_are_read_and_updated_in_place():
         *_clone(want_args[6:10]),
         state_buf[1 : B + 1],
     ]
-    want = kda_ref(*want_args)
-    got = kda_decode_fused(*got_args)
+    want = _kda(kda_ref, want_args)
+    got = _kda(kda_decode_fused, got_args)
     _check(got, want, TOL[dtype][0], "out", mean_rel=TOL[dtype][1])
     _check(state_buf[1 : B + 1], want_args[-1], _state_tol(dtype, DEV), "state")
     assert (state_buf[0] == 0).all() and (state_buf[B + 1] == 0).all(), "wrote outside the state view"
@@ -274,12 +281,12 @@ def test_kernels_replay_in_a_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile outside the capture
-        kda_decode_fused(*_clone(kda_args))
+        _kda(kda_decode_fused, _clone(kda_args))
         mla_decode(q_nope, q_pe, latent, lengths, 0.1)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kda_decode_fused(*kda_args)
+        out = _kda(kda_decode_fused, kda_args)
         ctx = mla_decode(q_nope, q_pe, latent, lengths, 0.1)
     gen = torch.Generator(device=dev).manual_seed(7)
     for _ in range(3):
@@ -288,6 +295,6 @@ def test_kernels_replay_in_a_cuda_graph():
         want_args[0].copy_(qkv)
         lengths.copy_(torch.randint(1, latent.shape[1] + 1, lengths.shape, generator=gen, device=dev))
         graph.replay()
-        _check(out, kda_ref(*want_args), TOL[dtype][0], "kda out", mean_rel=TOL[dtype][1])
+        _check(out, _kda(kda_ref, want_args), TOL[dtype][0], "kda out", mean_rel=TOL[dtype][1])
         _check(kda_args[-1], want_args[-1], _state_tol(dtype, dev), "kda state")
         _check(ctx, mla_ref(q_nope, q_pe, latent, lengths, 0.1), TOL[dtype][0], "mla ctx", mean_rel=TOL[dtype][1])
