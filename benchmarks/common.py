@@ -220,6 +220,18 @@ def k3dist(overrides: list[str], out: Path, timeout: float) -> dict:
     return result | {"wall": time.perf_counter() - start, "overrides": overrides}
 
 
+def k3dist_point(label: str, overrides: list[str], out: Path, timeout: float, summary) -> dict:
+    """`k3dist` for one point of a table: its result, or {"error": ...} when the run failed (the row says so);
+    either way one line `k3dist <label>: ...`, the figures from `summary(result)`."""
+    try:
+        r = k3dist(overrides, out, timeout)
+    except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
+        print(f"  k3dist {label}: {short_error(exc)}", flush=True)
+        return {"error": short_error(exc)}
+    print(f"  k3dist {label}: {summary(r)}", flush=True)
+    return r
+
+
 def twin_dir() -> Path:
     """The twin checkpoint the CLI uses by default (written once to $K3DIST_CACHE)."""
     from k3dist.twin.checkpoint import ensure_twin

@@ -44,18 +44,16 @@ def k3_point(args, n: int, b: int, out: Path) -> dict:
     """One launch.py run of the twin at prompt length n, batch b: its result.json, or {"error": ...}."""
     overrides = ["model.dtype=bfloat16", "generate.prompt=null", f"generate.prompt_len={n}", f"generate.batch={b}"]
     overrides += [f"generate.max_new_tokens={args.new_tokens}", f"cache.cap={n + args.new_tokens + 64}"]
-    try:
-        r = common.k3dist(overrides, out, args.timeout)
-    except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
-        print(f"  k3dist {n} tokens batch {b}: {common.short_error(exc)}", flush=True)
-        return {"error": common.short_error(exc)}
-    print(
-        f"  k3dist {n} tokens batch {b}: TTFT {r['prefill_seconds']:.2f} s, decode "
-        f"{r['decode_tokens_per_second']:.2f} tok/s, peak {r['peak_bytes'] / GiB:.2f} GiB, admitted "
-        f"{r['plan'][0]['admitted'] / GiB:.2f} GiB",
-        flush=True,
+    return common.k3dist_point(
+        f"{n} tokens batch {b}",
+        overrides,
+        out,
+        args.timeout,
+        lambda r: (
+            f"TTFT {r['prefill_seconds']:.2f} s, decode {r['decode_tokens_per_second']:.2f} tok/s, peak "
+            f"{r['peak_bytes'] / GiB:.2f} GiB, admitted {r['plan'][0]['admitted'] / GiB:.2f} GiB"
+        ),
     )
-    return r
 
 
 def whatif(args, tmp: Path) -> tuple[str, dict]:
@@ -222,14 +220,11 @@ def main() -> int:
         f"`peak - bare / admitted`: rank 0's peak RSS less a bare torch interpreter's ({bare / GiB:.2f} GiB), over the "
         "plan's `admitted`; at most 1.00 is the plan holding.",
     ]
-    if peer:
-        notes.append(
-            f"llama.cpp commit {llama.build_commit(args)}: `llama-bench -m {args.gguf.name} -t {cores} -p L -n 0 -r 1` "
-            f"and `-p 0 -n {args.new_tokens} -d L -r 1` after each k3dist point; its batch-4 decode at depth is not "
-            "run (llama-batched-bench would prefill 4 x L tokens)."
-        )
-    else:
-        notes.append(f"llama.cpp peer skipped: {llama.missing(args, args.llama_bench)}.")
+    how = (
+        f"`llama-bench -m {args.gguf.name} -t {cores} -p L -n 0 -r 1` and `-p 0 -n {args.new_tokens} -d L -r 1` after "
+        "each k3dist point; its batch-4 decode at depth is not run (llama-batched-bench would prefill 4 x L tokens)."
+    )
+    notes.append(llama.peer_note(args, bool(peer), args.llama_bench, how))
     data |= {"k3dist": {f"{n}-{b}": rs for (n, b), rs in k3.items()}, "llama_ttft": lt, "llama_decode": ld}
     data["bare_rss"] = bare
     title = "Context length: TTFT, decode at depth and memory, k3dist vs llama.cpp"

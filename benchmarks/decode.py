@@ -102,18 +102,16 @@ def k3_point(args, w: int, c: str, b: int, q: str, out: Path) -> dict:
         f"generate.batch={b}",
         f"generate.max_new_tokens={args.max_new_tokens}",
     ]
-    try:
-        r = common.k3dist(overrides, out, args.timeout)
-    except Exception as exc:  # noqa: BLE001  (a failed point is reported in its row)
-        print(f"  k3dist world {w} compile {c} quant {q} batch {b}: {common.short_error(exc)}", flush=True)
-        return {"error": common.short_error(exc)}
-    print(
-        f"  k3dist world {w} compile {c} ({r['decode_compile']}) quant {q} batch {b}: "
-        f"{r['decode_tokens_per_second']:.2f} "
-        f"tok/s, warm-up {r['warmup_seconds']:.1f} s, wall {r['wall']:.1f} s",
-        flush=True,
+    return common.k3dist_point(
+        f"world {w} compile {c} quant {q} batch {b}",
+        overrides,
+        out,
+        args.timeout,
+        lambda r: (
+            f"({r['decode_compile']}) {r['decode_tokens_per_second']:.2f} tok/s, warm-up "
+            f"{r['warmup_seconds']:.1f} s, wall {r['wall']:.1f} s"
+        ),
     )
-    return r
 
 
 def rate(run: dict | None) -> float | None:
@@ -362,14 +360,13 @@ def main() -> int:
     if spreads:
         head_s = ["point (world 1)", "k3dist tok/s over the repeats", "llama.cpp tok/s over the repeats"]
         tables.append("Spread over the repeats\n\n" + common.md_table(head_s, spreads))
-        notes.append(
-            f"llama.cpp commit {llama.build_commit(args)}: `llama-batched-bench -t {cores} -c 4096 -npp "
-            f"{args.prompt_len} -ntg {args.max_new_tokens} -npl B` right after each world-1 k3dist point "
-            f"({args.gguf.name} beside model.quant=none, {args.gguf_q8.name if args.gguf_q8 else '-'} beside int8); "
-            "`tok/s / llama.cpp` the median of the paired ratios, `per repeat` each one."
-        )
-    else:
-        notes.append(f"llama.cpp peer skipped: {llama.missing(args, llama.batched_bench(args))}.")
+    how = (
+        f"`llama-batched-bench -t {cores} -c 4096 -npp {args.prompt_len} -ntg {args.max_new_tokens} -npl B` right "
+        f"after each world-1 k3dist point ({args.gguf.name} beside model.quant=none, "
+        f"{args.gguf_q8.name if args.gguf_q8 else '-'} beside int8); `tok/s / llama.cpp` the median of the paired "
+        "ratios, `per repeat` each one."
+    )
+    notes.append(llama.peer_note(args, bool(spreads), llama.batched_bench(args), how))
     data = {
         "args": vars(args),
         "bandwidth": bw,

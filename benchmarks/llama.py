@@ -46,6 +46,13 @@ def missing(args, tool: Path | None, gguf: Path | None = None) -> str | None:
     return None
 
 
+def peer_note(args, ran: bool, tool: Path | None, how: str) -> str:
+    """The table's note on the llama.cpp peer: its commit and `how` it ran, or why it was skipped."""
+    if ran:
+        return f"llama.cpp commit {build_commit(args)}: {how}"
+    return f"llama.cpp peer skipped: {missing(args, tool)}."
+
+
 def _run(cmd: list[str], timeout: float) -> str:
     proc = common.run_group([str(c) for c in cmd], timeout)
     return proc.stdout

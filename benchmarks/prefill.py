@@ -174,13 +174,11 @@ def main() -> int:
     ]
     if skip := peer.get("skipped"):
         notes.append(f"transformers peer skipped: {skip}.")
-    if lpre:
-        notes.append(
-            f"llama.cpp commit {llama.build_commit(args)}: `llama-bench -m {args.gguf.name} -t {cores} -p L -n 0 -r 1` "
-            "after each batch-1 k3dist run; `llama.cpp TTFT / k3dist` the median of the paired ratios."
-        )
-    else:
-        notes.append(f"llama.cpp peer skipped: {llama.missing(args, args.llama_bench)}.")
+    how = (
+        f"`llama-bench -m {args.gguf.name} -t {cores} -p L -n 0 -r 1` after each batch-1 k3dist run; "
+        "`llama.cpp TTFT / k3dist` the median of the paired ratios."
+    )
+    notes.append(llama.peer_note(args, bool(lpre), args.llama_bench, how))
     data = {
         "args": vars(args),
         "rows": data_rows,

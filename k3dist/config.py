@@ -3,13 +3,13 @@
 Everything downstream (inventory, TP plan, model, cache) reads these fields, never the raw JSON.
 """
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base.dtypes import compute_dtype
 from .base.errors import K3Error
+from .base.files import read_json
 
 MODEL_TYPES = {"kimi_linear", "kimi_k3", "Kimi-K3"}
 
@@ -249,13 +249,7 @@ def load_config(path: str | Path) -> ModelConfig:
         path = path / "config.json"
     if not path.is_file():
         raise K3Error(f"{path}: config.json not found")
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise K3Error(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (ValueError, RecursionError) as exc:  # JSON, UTF-8, nesting depth
-        raise K3Error(f"{path}: not valid JSON ({exc})") from None
-    return parse_config(raw, str(path))
+    return parse_config(read_json(path), str(path))
 
 
 def validate_topology(cfg: ModelConfig, world: int) -> None:

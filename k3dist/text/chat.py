@@ -20,7 +20,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.utils import Namespace
 
 from ..base.errors import K3Error
-from .files import optional_file, read_json_object, read_text
+from ..base.files import optional_file, read_json_object, read_text
 from .sandbox import BoundedSandbox, RenderTooLarge, limits
 
 TEMPLATE_FILE = "chat_template.jinja"

@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..base.errors import K3Error
-from .files import read_text
+from ..base.files import read_text
 
 
 def byte_level_chars() -> dict[str, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..base.errors import K3Error
-from .files import optional_file, read_json_object
+from ..base.files import optional_file, read_json_object
 from .json_tokenizer import JsonTokenizer
 from .kimi_bpe import KimiTiktoken
 

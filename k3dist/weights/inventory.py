@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..base.dtypes import BY_CODE, ELEMENT_BITS
 from ..base.errors import K3Error
+from ..base.files import read_json
 from ..base.paths import INDEX, inside
 from ..config import ModelConfig
 from .schema import canonical_name, expected_tensors
@@ -52,12 +53,7 @@ def _index_map(model_dir: Path) -> dict[str, str] | None:
     if not path.exists():
         return None
     inside(model_dir, INDEX, "the index")
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise K3Error(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (ValueError, RecursionError) as exc:  # JSON, UTF-8, nesting depth
-        raise K3Error(f"{path}: not valid JSON ({exc})") from None
+    raw = read_json(path)
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise K3Error(f"{path}: needs a weight_map object of tensor name -> file name")

@@ -5,8 +5,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..base.errors import K3Error
-from ..base.paths import inside
+from .errors import K3Error
+from .paths import inside
 
 
 def optional_file(model_dir: Path, name: str, what: str) -> Path | None:
