@@ -3,7 +3,7 @@
 Why: at batch 1 the eager CPU step is bound by its op count, not its bytes. The torch reference runs each KDA layer's
 recurrent core as about 100 small ops and each MoE layer as about 40, each a dispatch and an OpenMP region; here each
 is one op that reads every byte once (docs/decode.md has the profile). The ops are compiled once per machine and
-torch build with torch's own extension builder (a compiler and ninja; 20-40 s on 2 cores), into
+torch build with torch's own extension builder (a compiler and ninja), into
 `$TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions) under a name that hashes the sources, the flags, torch's
 version and the CPU's flags; concurrent ranks wait on torch's lock for one build. Where the build fails, `available()`
 says why once and the model keeps the torch references (`kernels.backend=cpu` refuses instead).

@@ -55,9 +55,9 @@ def experts_grouped(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Te
 
     x: [N, D]; ids, weights: [N, k]. Returns [N, D] fp32. On a CPU whose torch has the grouped GEMM, each expert's
     rows are padded with zero rows to a multiple of PAD_ROWS: oneDNN builds and keeps one kernel per GEMM shape, and
-    padding bounds the shapes to N k / PAD_ROWS per weight (unpadded sizes grew its cache by 35 MiB in 300 chunks,
-    and a 2-rank prefill of 4 x 2,048 tokens by 14 MiB a rank at 8 rows; at 32 by nothing measurable), at a third of
-    the fp32 loop's time (grouped_mm) and no slower than smaller padding on the twin.
+    padding bounds the shapes to N k / PAD_ROWS per weight, so the cache stops growing with the prompts' lengths
+    (docs/memory.md), and the grouped GEMM stays faster than the fp32 loop (BENCHMARKS.md, "Measurements behind the
+    code").
     """
     N, k = ids.shape
     flat = ids.reshape(-1)

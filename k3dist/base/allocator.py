@@ -5,7 +5,7 @@ default. oneDNN compiles a kernel for every new (rows, weight shape) pair and ke
 primitive cache, and torch's ideep layer keeps its own LRU of the same primitives; both hold 1,024 by default, so a
 server whose prompts have every length grows by up to 0.7 GiB a rank (docs/memory.md). k3dist caps both at
 `CACHED_PRIMITIVES`, and the plan counts the cap (engine/runtime_memory.py): a prefill of a new length then builds its
-kernels again (about 0.2 ms each), which costs nothing measurable next to the prefill itself.
+kernels again, which costs nothing measurable next to the prefill itself.
 
 glibc's allocator is set up for a rank too (`limit_heap`): a fixed mmap threshold, so large blocks go back to the
 system when freed; few arenas, so the HTTP and tokenizer threads of a server do not each keep a heap of their own;

@@ -1,12 +1,11 @@
 """The OpenMP runtime of k3dist's CPU ranks, chosen by k3dist rather than left to each user's shell.
 
 A CPU decode step runs about a hundred parallel regions (oneDNN GEMVs, the CPU ops); between two of them libgomp's
-worker threads wait, by default spinning for about 3 ms before they sleep. On a host whose cores are shared (other
-jobs, a noisy VM neighbour) the spinning thread takes the core the working one needs, and every region waits for a
-descheduled thread: the batch-1 step measured 4-10x slower that way on a loaded 2-vCPU host. Threads that sleep at
-once (OMP_WAIT_POLICY=PASSIVE) hold up there, but pay a wake-up per region on a quiet host (35% slower). So waiting
-threads spin briefly, and `ThreadGovernor` drops a rank to one thread while its steps show the host is loaded
-(docs/decode.md has the figures).
+worker threads wait, by default spinning for milliseconds before they sleep. On a host whose cores are shared
+(other jobs, a noisy VM neighbour) the spinning thread takes the core the working one needs, and every region waits
+for a descheduled thread. Threads that sleep at once (OMP_WAIT_POLICY=PASSIVE) hold up there, but pay a wake-up per
+region on a quiet host. So waiting threads spin briefly, and `ThreadGovernor` drops a rank to one thread while its
+steps show the host is loaded (docs/decode.md has the figures).
 
 libgomp reads its settings once, when torch loads it, so `configure_openmp` runs first thing in launch.py: the rank
 in that process, the ranks it spawns (they inherit the environment) and torchrun's workers (each runs launch.py)

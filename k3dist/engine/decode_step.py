@@ -27,8 +27,8 @@ WIDEST = 20  # the most a request may ask for (OpenAI's and vLLM's limit); a ser
 def capture_kind(setting: str, device: torch.device) -> str:
     """decode.compile -> how the step runs: 'graph' (CUDA graph), 'compile' (torch.compile) or 'eager'.
 
-    auto is the CUDA graph on CUDA and eager on CPU, where benchmarks/decode.py measured torch.compile's step no
-    faster than eager for the default run and its one-time compile costs tens of seconds (README.md). A compiled
+    auto is the CUDA graph on CUDA and eager on CPU, where torch.compile's step is no faster than eager for the
+    default run (benchmarks/decode.py) and its one-time compile is long (README.md). A compiled
     CPU step compiles greedy decoding only: torch inductor's CPU code for the sampler's integer hash hangs or aborts,
     so windows that sample run the same step eagerly.
     """

@@ -29,8 +29,8 @@ from .snapshots import SnapshotStore
 
 def prefills_together(device_type: str) -> bool:
     """Whether same-length prompts are prefilled as one batch (CUDA: bigger GEMMs) or one sequence at a time (CPU:
-    a batch gains no arithmetic efficiency there and its chunk activations fall out of cache; benchmarks/prefill.py
-    measured four 2048-token prompts at 4.2-9x one when prefilled together). runtime_memory.py sizes prefill by it."""
+    a batch gains no arithmetic efficiency there and its chunk activations fall out of cache: benchmarks/prefill.py,
+    BENCHMARKS.md "Measurements behind the code"). runtime_memory.py sizes prefill by it."""
     return device_type == "cuda"
 
 

@@ -15,7 +15,7 @@ from ..base.units import fmt_bytes
 
 log = logging.getLogger("k3dist")
 
-REPORT_S = 2.0  # seconds between reports: fresher than any scrape, and a trim (1-2 ms) now and then costs nothing
+REPORT_S = 2.0  # seconds between reports: fresher than any scrape, and a trim now and then costs nothing
 OVER = 0.10  # a rank holding more than admitted + this share of it is logged (once)
 
 

@@ -10,20 +10,18 @@ from ..kernels.backend import Kernels
 from .linear import Linear
 
 DENSE_MAX_RATIO = 8  # dense experts compute E/k times the routed FLOPs; the grouped loop is no faster up to 8
-ONE_OP_TOKENS = (
-    16  # decode batches up to this many tokens run the one-op CPU block (cpu_ops.moe_decode) where it builds
-)
+ONE_OP_TOKENS = 16  # decode batches up to this many tokens run the one-op CPU MoE block where it builds
 
 
 def dense_wanted(experts: int, top_k: int, batch: int, pack: bool, one_op: bool = False) -> bool:
     """Whether to hold the experts as `DenseExperts` (one packed dense GEMM pair) instead of stacked.
 
-    On a CPU with packed bf16 weights (linear.py), a decode batch whose (token, expert) pairs cover the
-    experts reads nearly all of them anyway, and one packed GEMM streams them about twice as fast as the stacked
-    paths' many small products (benchmarks/decode.py, BENCHMARKS.md). The packed pair replaces the stacked weights,
-    so prefill runs dense too: that costs E/k times the routed FLOPs, hence the bound on E/k. Where the one-op CPU
-    block serves the batch (`one_op`: it reads the stacked weights, each chosen expert from cache after its first
-    token) the stacked weights stay: at batch 8 on the twin it took a third of the dense pair's time.
+    On a CPU with packed bf16 weights (linear.py), a decode batch whose (token, expert) pairs cover the experts reads
+    nearly all of them anyway, and one packed GEMM streams them faster than the stacked paths' many small products
+    (benchmarks/decode.py; BENCHMARKS.md, "Measurements behind the code"). The packed pair replaces the stacked weights,
+    so prefill runs dense too: that costs E/k times the routed FLOPs, hence the bound on E/k. Where the one-op CPU block
+    serves the batch (`one_op`: it reads the stacked weights, each chosen expert from cache after its first token) the
+    stacked weights stay: it is faster than the dense pair there.
     """
     return not one_op and pack and batch * top_k >= experts and experts <= DENSE_MAX_RATIO * top_k
 

@@ -74,13 +74,13 @@ BLOCK = 128  # vocab entries per block in the two-stage top-k
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """topk over the last dim of [B, V] in two stages where V splits into blocks: the k blocks with the largest
     maxima hold the k largest values (a block outside them has a maximum no larger than the k-th value), so a top-k
-    of their k * BLOCK entries gives the same values. One pass of maxima instead of a top-k over all of V: on a CPU
-    the vocab-wide top-k of a batch of 8 took 1.1 ms, this 0.4 ms (0.25 ms on the widened logits). Among equal
-    values the ids may differ from a plain topk's (whose order among ties is unspecified too)."""
+    of their k * BLOCK entries gives the same values. One pass of maxima instead of a top-k over all of V, which a CPU
+    does several times slower (BENCHMARKS.md, "Measurements behind the code"). Among equal values the ids may differ
+    from a plain topk's (whose order among ties is unspecified too)."""
     B, V = x.shape
     if V % BLOCK or V < 4 * k * BLOCK:
         return x.topk(k, dim=-1)
-    dtype, x = x.dtype, x.float()  # exact; torch's CPU bf16 block maxima are 2-3x slower than widening + fp32 maxima
+    dtype, x = x.dtype, x.float()  # exact; torch's CPU bf16 block maxima are slower than widening + fp32 maxima
     blocks = x.view(B, V // BLOCK, BLOCK)
     best = blocks.amax(-1).topk(k, dim=-1).indices  # [B, k]
     candidates = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, BLOCK)).view(B, k * BLOCK)

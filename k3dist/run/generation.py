@@ -97,7 +97,7 @@ def generate(
     held = start_peak_window(rt.device)
     after_load("warm-up", rt, step.warm_up)
     # what exists now (config, tokenizer tables, model objects) lives for the whole run: frozen, the cyclic GC stops
-    # walking it in the middle of decode windows (it was 4% of a CPU decode's time, one collection tens of ms)
+    # walking it in the middle of decode windows (a collection there stalls every stream)
     gc.collect()
     gc.freeze()
     facts = {"warmup_seconds": step.warmup_seconds, "kernels": model.kernels.name, "decode_compile": step.kind}
