@@ -47,6 +47,29 @@ def test_no_import_runs_back_up():
     assert {parts[1] for _, parts in files} - {"__init__"} <= set(ORDER), "a package missing from ORDER"
 
 
+def test_kernels_hold_compute_only():
+    """kernels/ holds functions and the values they take (dataclasses); no weight holder or policy object."""
+    import ast
+
+    holders = []
+    for path in (ROOT / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                holders.append(f"{path.name}: {node.name}")
+    assert not holders, holders
+
+
+def test_the_architecture_doc_draws_this_order():
+    """docs/architecture.md's layout lists every package, top down: ORDER read from the bottom up."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("```\n", 2)[1]
+    drawn = []
+    for line in block.splitlines():
+        if m := re.match(r"(?:k3dist/)?(\w+)(?:/|\.py)\s", line):
+            drawn.append(m.group(1))
+    assert drawn[0] == "launch" and drawn[1:] == ORDER[::-1], drawn
+
+
 def test_no_source_file_is_over_400_lines():
     sources = [
         *ROOT.glob("k3dist/**/*.py"),
