@@ -54,6 +54,20 @@ def _triton() -> Kernels:
     return Kernels("triton", kda_triton.kda_decode_fused, mla_triton.mla_decode)
 
 
+def expected(backend: str, device: torch.device) -> str:
+    """The name of the backend `select` would choose, without building or importing it (a what-if plan's
+    question): the CPU ops where they are built or look buildable, Triton where it is installed."""
+    import importlib.util
+
+    from k3dist.kernels import cpu_ops
+
+    if backend in ("torch", "cpu", "triton"):
+        return backend
+    if device.type == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    return "cpu" if cpu_ops.buildable() else "torch"
+
+
 def select(backend: str, device: torch.device) -> Kernels:
     """auto: Triton on CUDA when it imports, the CPU ops on a CPU when they build, else torch. triton and cpu: those
     or a clear refusal."""

@@ -39,6 +39,17 @@ def _name() -> str:
     return "k3dist_cpu_" + h.hexdigest()[:16]
 
 
+def buildable() -> bool:
+    """Whether the ops are built here, or look as if they would build (a C++ compiler and ninja on PATH), without
+    building them: the what-if plan's question, which must not take a build's minutes."""
+    import shutil
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    built = Path(_get_build_directory(_name(), verbose=False)) / f"{_name()}.so"
+    return built.is_file() or (shutil.which("ninja") is not None and shutil.which("c++") is not None)
+
+
 @functools.cache
 def build_error() -> str | None:
     """Build (or find) and load the ops; None when they loaded, else why not (said once in the log)."""

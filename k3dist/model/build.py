@@ -36,7 +36,7 @@ def build_model(
     weights/quant_plan.py names become int8 the same way, one at a time."""
     w = weights.__getitem__
     dtype = weights["model.embed_tokens.weight"].dtype
-    dense = experts_dense(cfg, cache.batch, pack, kernels) if dense is None else dense
+    dense = experts_dense(cfg, cache.batch, pack, kernels.moe_decode is not None) if dense is None else dense
 
     def dense_experts(prefix: str) -> DenseExperts | None:
         if not dense:

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import ModelConfig
-from ..kernels.backend import Kernels
 from .linear import Linear
 
 DENSE_MAX_RATIO = 8  # dense experts compute E/k times the routed FLOPs; the grouped loop is no faster up to 8
@@ -26,10 +25,11 @@ def dense_wanted(experts: int, top_k: int, batch: int, pack: bool, one_op: bool 
     return not one_op and pack and batch * top_k >= experts and experts <= DENSE_MAX_RATIO * top_k
 
 
-def experts_dense(cfg: ModelConfig, batch: int, pack: bool, kernels: Kernels) -> bool:
-    """`dense_wanted` for a model and its kernels: never where the one-op CPU block serves the batch (one expert
-    group, at most ONE_OP_TOKENS decode tokens). The run plan asks once; build_model holds what it decided."""
-    one_op = kernels.moe_decode is not None and cfg.num_expert_group == 1 and batch <= ONE_OP_TOKENS
+def experts_dense(cfg: ModelConfig, batch: int, pack: bool, moe_block: bool) -> bool:
+    """`dense_wanted` for a model whose kernels have the one-op CPU MoE block (`moe_block`) or not: never where it
+    serves the batch (one expert group, at most ONE_OP_TOKENS decode tokens). The run plan asks once; build_model
+    holds what it decided."""
+    one_op = moe_block and cfg.num_expert_group == 1 and batch <= ONE_OP_TOKENS
     return dense_wanted(cfg.num_experts, cfg.top_k, batch, pack, one_op)
 
 

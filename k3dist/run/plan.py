@@ -17,7 +17,7 @@ from ..engine.decode_step import TOP, WIDEST, capture_kind
 from ..engine.prefix import BRANCH_MEMORY
 from ..engine.runtime_memory import RuntimeMemory, runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
-from ..kernels.backend import select
+from ..kernels.backend import expected, select
 from ..model.cache import cache_nbytes, cache_shapes
 from ..model.experts import experts_dense
 from ..model.linear import packable
@@ -62,7 +62,9 @@ def plan_run(
         longest = 1
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     pack = run != "load" and kind == "eager" and packable(dtype, device)
-    dense = experts_dense(cfg, g.batch, pack, select(s.kernels.backend, device))
+    # the kernels the run selects (a what-if asks which it would, without building them)
+    backend = expected(s.kernels.backend, device) if s.run.mode == "plan" else select(s.kernels.backend, device).name
+    dense = experts_dense(cfg, g.batch, pack, moe_block=backend == "cpu")
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
     host = s.prefix.host_bytes if device.type == "cpu" else 0
