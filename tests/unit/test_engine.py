@@ -1,7 +1,7 @@
 """The engine's scheduling in one process (engine/engine.py, admission.py): a fake runner stands for every rank, so
 a change to scheduling is checked in seconds, without ranks, a model or a checkpoint.
 
-The fake has what the engine uses of a Runner (`run(window)`, the step's output buffers and kind, the cache's batch
+The fake has what the engine uses of a Runner (`run(window)`, the decode step's buffers and kind, the cache's batch
 and cap, the prefill chunk, the vocabulary size, timings, the prompts scored in the last window) and follows the
 window record as runner.py does: ended slots first, then the pieces in order (a new piece takes the next Admit,
 resets its slot and restores its snapshot), each prompt's first token after its last piece, then `steps` decode
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from k3dist.engine.control import Channel, Window
+from k3dist.engine.decode_step import TOP
 from k3dist.engine.engine import Engine
 from k3dist.engine.prefix import PrefixIndex
-from k3dist.engine.requests import Prompt
 from k3dist.engine.runner import Timings
-from k3dist.engine.step import TOP
+from k3dist.engine.sequences import Prompt
 
 VOCAB, CAP = 512, 96
 
@@ -59,14 +59,14 @@ class FakeStep:
         self.tokens, self.gen = [0] * batch, [0] * batch
 
     def emit(self, slot: int, token: int) -> None:
-        at = min(self.gen[slot], CAP - 1)  # a finished slot may step on until the host looks, as step.py's
+        at = min(self.gen[slot], CAP - 1)  # a finished slot may step on until the host looks, as decode_step.py's
         self.out_tokens[slot, at] = self.top_ids[slot, at, 0] = token
         self.tokens[slot], self.gen[slot] = token, self.gen[slot] + 1
 
 
 class FakeRunner:
     def __init__(self, batch: int, prefill_chunk: int):
-        self.step, self.prefill_chunk = FakeStep(batch), prefill_chunk
+        self.decode_step, self.prefill_chunk = FakeStep(batch), prefill_chunk
         self.cache = SimpleNamespace(batch=batch, cap=CAP)
         self.model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB))
         self.device, self.timings, self.scores = torch.device("cpu"), Timings(), {}
@@ -100,14 +100,14 @@ class FakeRunner:
                 if a.score is not None:
                     self.scores[slot] = FakeScores(a.ids)
                 if a.emit:
-                    self.step.gen[slot] = 0
-                    self.step.emit(slot, NEXT(a.ids[-1]))
+                    self.decode_step.gen[slot] = 0
+                    self.decode_step.emit(slot, NEXT(a.ids[-1]))
         assert next(admits, None) is None, "an Admit no piece took"
         if window.steps:
             assert len(self.filling) <= 1, "two prompts partly prefilled during decode steps"
         for _ in range(window.steps):
             for slot in range(window.active or self.cache.batch):
-                self.step.emit(slot, NEXT(self.step.tokens[slot]))
+                self.decode_step.emit(slot, NEXT(self.decode_step.tokens[slot]))
 
 
 class Recording(Channel):
@@ -124,7 +124,7 @@ class Recording(Channel):
 
 def make(batch=2, chunk=16, budget=None, sync_every=4, eos=(), prefix=None):
     runner = FakeRunner(batch, chunk)
-    return Engine(runner, Recording(), sync_every, eos, prefix=prefix, prefill_budget=budget), runner
+    return Engine(runner, Recording(), sync_every=sync_every, eos_ids=eos, prefix=prefix, prefill_budget=budget), runner
 
 
 def prompt(k: int, length: int, budget: int, **kw) -> Prompt:
@@ -133,10 +133,10 @@ def prompt(k: int, length: int, budget: int, **kw) -> Prompt:
 
 
 def drive(engine: Engine, limit: int = 200) -> list[list]:
-    """step() until the engine is idle; the events of each window."""
+    """run_window() until the engine is idle; the events of each window."""
     out = []
     while engine.busy:
-        out.append(engine.step())
+        out.append(engine.run_window())
         assert len(out) < limit
     assert engine.channel.sent == engine.runner.windows  # the record every rank runs is the one sent
     return out
@@ -160,7 +160,7 @@ def test_prompts_take_slots_first_come_first_served_and_a_freed_slot_goes_to_the
     windows = []
     while engine.busy and len(windows) < 50:
         free, waiting = len(engine.free), [p.id for p in engine.waiting]
-        windows.append(engine.step())
+        windows.append(engine.run_window())
         took = [name for w, _, name in names(runner, prompts) if w == len(windows) - 1]
         assert took == waiting[: min(free, len(waiting))]  # no slot left free while a prompt waits, in order
         if len(windows) == 3:
@@ -180,10 +180,10 @@ def test_a_request_aborted_while_waiting_never_runs_and_the_queue_keeps_its_orde
     prompts = [prompt(k, 3, 3) for k in range(4)]
     for p in prompts:
         engine.add(p)
-    first = engine.step()
+    first = engine.run_window()
     assert engine.abort("r2") and not engine.abort("r2") and not engine.abort("nobody")
     windows = [first, *drive(engine)]
-    aborted = windows[1][0]  # told with the next step
+    aborted = windows[1][0]  # told with the next window
     assert (aborted.id, aborted.finish_reason, aborted.tokens) == ("r2", "abort", [])
     assert aborted.completion.prompt == list(prompts[2].ids) and aborted.completion.tokens == []
     assert [name for *_, name in names(runner, prompts)] == ["r0", "r1", "r3"]
@@ -196,7 +196,7 @@ def test_a_request_aborted_while_running_frees_its_slot_for_the_next_window():
     prompts = [prompt(0, 3, 30), prompt(1, 5, 30), prompt(2, 4, 5)]
     for p in prompts:
         engine.add(p)
-    windows = [engine.step(), engine.step()]
+    windows = [engine.run_window(), engine.run_window()]
     got = [t for events in windows for e in events if e.id == "r0" for t in e.tokens]
     assert engine.abort("r0")
     windows += drive(engine)
@@ -214,10 +214,10 @@ def test_a_request_aborted_in_the_middle_of_its_prefill_frees_its_slot():
     engine, runner = make(batch=2, chunk=4)
     live, long, after = prompt(0, 3, 12), prompt(1, 19, 4), prompt(2, 3, 2)
     engine.add(live)
-    windows = [engine.step()]
+    windows = [engine.run_window()]
     engine.add(long)
     engine.add(after)
-    windows += [engine.step(), engine.step()]
+    windows += [engine.run_window(), engine.run_window()]
     assert engine.admission.filling is not None and engine.admission.filling.prompt is long
     slot = engine.admission.filling.slot
     assert engine.abort("r1")
@@ -240,7 +240,7 @@ def test_a_budget_of_zero_takes_no_slot_and_a_scored_one_only_lends_its_slot():
         engine.add(p)
     windows, lives = [], []
     while engine.busy and len(windows) < 50:
-        windows.append(engine.step())
+        windows.append(engine.run_window())
         lives.append({s.prompt.id for s in engine.live.values()})
     done = finals(windows)
     assert (done["r1"].finish_reason, done["r1"].completion.tokens, done["r1"].tokens) == ("length", [], [])
@@ -258,7 +258,7 @@ def test_a_long_prompt_is_prefilled_in_pieces_within_the_budget_while_the_others
     engine, runner = make(batch=5, chunk=chunk, budget=budget)
     live, long, *shorts = prompt(0, 3, 40), prompt(1, 19, 3), *(prompt(k, 3, 3) for k in (2, 3, 4))
     engine.add(live)
-    windows = [engine.step()]
+    windows = [engine.run_window()]
     for p in (long, *shorts):  # newcomers queue behind the long one
         engine.add(p)
     windows += drive(engine)
@@ -278,7 +278,7 @@ def test_a_long_prompt_is_prefilled_in_pieces_within_the_budget_while_the_others
     took = {w for w, *_ in admitted}
     assert all(i in ran or i in took for i in range(first, last + 1))  # and the budget never idles
     for i in range(first, last + 1):  # the live stream gets a token every window the prompt fills
-        assert runner.windows[i].steps == 1  # one step: the prompt's next piece comes after it
+        assert runner.windows[i].steps == 1  # one decode step: the prompt's next piece comes after it
         assert [e.tokens for e in windows[i] if e.id == "r0"] != [[]], i
     done = finals(windows)
     for p in (live, long, *shorts):
@@ -292,11 +292,11 @@ def test_a_window_runs_no_more_steps_than_the_nearest_budget():
         engine.add(p)
     windows, at_end, slots = [], {}, {}
     while engine.busy and len(windows) < 50:
-        windows.append(engine.step())
+        windows.append(engine.run_window())
         slots |= {name: s for _, s, name in names(runner, prompts)}
         for e in windows[-1]:
             if e.finished:
-                at_end[e.id] = runner.step.gen[slots[e.id]]
+                at_end[e.id] = runner.decode_step.gen[slots[e.id]]
     assert [w.steps for w in runner.windows] == [1, 1, 7, 8, 2]  # min(sync_every, the nearest budget)
     assert at_end == {p.id: p.max_new_tokens for p in prompts}  # no slot stepped past its budget
     done = finals(windows)
@@ -330,12 +330,12 @@ def test_a_finished_requests_snapshot_is_extended_for_the_next_turn():
     engine.add(other)
     windows = []
     while "r0" not in finals(windows) and len(windows) < 50:
-        windows.append(engine.step())
+        windows.append(engine.run_window())
     before = len(runner.windows)
     ids = turn.ids + tuple(chain(turn.ids, 4))
     nxt = Prompt("r2", ids + (7, 8, 9), 3)
     engine.add(nxt)
-    windows.append(engine.step())
+    windows.append(engine.run_window())
     w = runner.windows[before]
     extension, admit = w.admit
     assert extension.ids == ids and not extension.emit

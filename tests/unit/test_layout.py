@@ -70,6 +70,13 @@ def test_the_architecture_doc_draws_this_order():
     assert drawn[0] == "launch" and drawn[1:] == ORDER[::-1], drawn
 
 
+def test_the_feature_map_names_test_files_that_exist():
+    """docs/architecture.md's "Where each feature is tested" names files under tests/ that exist."""
+    text = (ROOT / "docs" / "architecture.md").read_text().split("## Where each feature is tested", 1)[1]
+    named = set(re.findall(r"\b(\w+/test_\w+\.py)\b", text))
+    assert named and not [n for n in sorted(named) if not (ROOT / "tests" / n).is_file()]
+
+
 def test_no_source_file_is_over_400_lines():
     sources = [
         *ROOT.glob("k3dist/**/*.py"),
