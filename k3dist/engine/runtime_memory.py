@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from ..base.allocator import PRIMITIVE_BYTES, cached_primitives
 from ..config import ModelConfig
+from ..model.linear import WIDE_BLOCK
 from ..model.mla import KEY_BLOCK
 from .decode_step import TOP, WIDEST
 from .logits import processor_bytes
@@ -64,10 +65,20 @@ class RuntimeMemory:
 
 
 def _prefill(
-    cfg: ModelConfig, world: int, *, tokens: int, seqs: int, longest: int, s: int, cpu: bool = True, dense: bool = False
+    cfg: ModelConfig,
+    world: int,
+    *,
+    tokens: int,
+    seqs: int,
+    longest: int,
+    s: int,
+    cpu: bool = True,
+    dense: bool = False,
+    widen: bool = False,
 ) -> int:
     """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions
-    (on the CPU MLA expands at most one key block of them at a time)."""
+    (on the CPU MLA expands at most one key block of them at a time); with `widen`, one projection's fp32 input and
+    weight block beside it (model/linear.py)."""
     D = cfg.hidden_size
     residual = 3 * tokens * D * 4 + tokens * D * s  # h, h + mixer(x), the mixer's fp32 output; the normed input
     kinds = [0]
@@ -98,7 +109,12 @@ def _prefill(
         kinds.append(routed + router + shared + tokens * D * 4 * 2)
     if cfg.count(mlp="dense"):
         kinds.append(tokens * 3 * (cfg.intermediate_size // world) * s + tokens * D * 4 * 2)
-    return residual + max(kinds)
+    wide = 0
+    if widen:  # the widest projection input: its fp32 copy and a fp32 block of weight rows
+        ins = (D, cfg.intermediate_size // world, cfg.shared_size // world, cfg.kda_dim // world)
+        ins += (cfg.mla_heads // world * cfg.v_head_dim,)
+        wide = (tokens + WIDE_BLOCK) * max(ins) * 4
+    return residual + max(kinds) + wide
 
 
 def mla_decode_bytes(cfg: ModelConfig, world: int, batch: int, cap: int) -> int:
@@ -124,6 +140,7 @@ def runtime_memory(
     itemsize: int,
     device_type: str,
     dense_experts: bool = False,
+    widen: bool = False,
     graphs: int = 1,
     top: int = TOP,
     scoring: bool = False,
@@ -144,6 +161,7 @@ def runtime_memory(
         s=s,
         cpu=device_type == "cpu",
         dense=dense_experts,
+        widen=widen,
     )
     logits = batch * Vl * (s + 4) * 2  # local logits of a chunk's last tokens and of a step, fp32 copies
     if sample:

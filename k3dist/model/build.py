@@ -11,7 +11,7 @@ from .decoder import DecoderLayer, K3Model
 from .experts import DenseExperts, experts_dense
 from .kda import KDA
 from .layers import Binding
-from .linear import Int8Linear, Linear
+from .linear import Int8Linear, Linear, widened
 from .mla import MLA
 from .moe import DenseMLP, MoE
 from .tp import TPComm
@@ -26,17 +26,20 @@ def build_model(
     *,
     router_weights: str = "unbiased",
     pack: bool = False,
+    widen: bool | None = None,
     dense: bool | None = None,
     quant: str = "none",
 ) -> K3Model:
-    """With `pack`, the projections' weights are reordered for oneDNN one at a time (linear.py) and the plain ones
-    leave `weights`, so at most one weight exists twice at any moment (three times for a dense expert layout's w2:
-    plain, permuted, packed). `dense`: the MoE experts held as one dense GEMM pair (the run plan's decision; None:
+    """With `pack`, the projections' weights are reordered for oneDNN one at a time (linear.py) and the plain ones leave
+    `weights`, so at most one weight exists twice at any moment (three times for a dense expert layout's w2: plain,
+    permuted, packed). With `widen`, prefill GEMMs run in fp32 on widened blocks (linear.py; None: where the compute
+    dtype has no units). `dense`: the MoE experts held as one dense GEMM pair (the run plan's decision; None:
     experts.py's policy for this cache's batch, for tests and benchmarks). With `quant="int8"` the projections
     weights/quant_plan.py names become int8 the same way, one at a time."""
     w = weights.__getitem__
     dtype = weights["model.embed_tokens.weight"].dtype
     dense = experts_dense(cfg, cache.batch, pack, kernels.moe_decode is not None) if dense is None else dense
+    widen = widened(dtype, cache.positions.device) if widen is None else widen
 
     def dense_experts(prefix: str) -> DenseExperts | None:
         if not dense:
@@ -46,12 +49,12 @@ def build_model(
     def lin(name: str):
         int8 = quant == "int8" and quantized(name)
         weight = weights.pop(name) if pack or int8 else weights[name]
-        make = (lambda part: Int8Linear(part, kernels.int8_mm)) if int8 else (lambda part: Linear(part, pack))
+        make = (lambda part: Int8Linear(part, kernels.int8_mm)) if int8 else (lambda part: Linear(part, pack, widen))
         if weight.dim() == 3:  # stacked projections (KDA's f_b, g_b): one Linear each
             return tuple(make(part) for part in weight.unbind(0))
         return make(weight)
 
-    bind = Binding(w, lin, cfg, comm, kernels, dtype)
+    bind = Binding(w, lin, cfg, comm, kernels, dtype, widen)
     layers = []
     for spec in cfg.layers:
         p = f"model.layers.{spec.index}."

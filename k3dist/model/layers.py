@@ -27,6 +27,7 @@ class Binding:
     comm: TPComm
     kernels: Kernels
     dtype: torch.dtype
+    widen: bool = False  # prefill GEMMs widened to fp32 (linear.py)
 
 
 def swiglu(x: Tensor, gate_up, down) -> Tensor:

@@ -2,6 +2,12 @@
 weight-only int8 (`model.quant=int8`). These are the model's holders of its weights; the arithmetic they call is in
 kernels/ (kernels/quant.py for int8).
 
+Widening: on a CPU without bf16 (or fp16) units, torch's low-precision GEMM runs several times slower than the fp32
+GEMM over the same values (BENCHMARKS.md, "Measurements behind the code"). There a prefill's projections widen the
+input and a block of WIDE_BLOCK weight rows at a time to fp32: fp32 products of bf16 values summed in fp32 are what
+the bf16 GEMM computes too, and the result is rounded once to the compute dtype as it rounds it. Decode rows keep the
+plain GEMM (it streams the weight; widening it would cost more than it saves).
+
 Prepacking: on such CPUs torch's bf16 `F.linear` reads the weight at well under the memory bandwidth for one token;
 the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
 (BENCHMARKS.md). The packed copy replaces the plain one, so it costs memory only while it is made (the plan's
@@ -25,22 +31,45 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-class Linear:
-    """x @ weight^T for a [out, in] weight, plain or prepacked."""
+def widened(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a prefill's GEMMs widen to fp32 here: bf16 or fp16 on a CPU whose oneDNN has no units for it."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
-    def __init__(self, weight: Tensor, pack: bool = False):
+
+DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the plain (or int8) GEMM; wider ones are blocked
+WIDE_BLOCK = 1024  # weight rows widened to fp32 at a time: the transient stays WIDE_BLOCK x in x 4 bytes
+
+
+def widened_linear(x: Tensor, weight: Tensor, block: int = WIDE_BLOCK) -> Tensor:
+    """x @ weight^T in fp32, `block` weight rows widened at a time; rounded once to x's dtype."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    y = x.new_empty(flat.shape[0], weight.shape[0])
+    for a in range(0, weight.shape[0], block):
+        y[:, a : a + block] = F.linear(flat, weight[a : a + block].float())
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear:
+    """x @ weight^T for a [out, in] weight: plain, prepacked, or widened for prefill (`widen`)."""
+
+    def __init__(self, weight: Tensor, pack: bool = False, widen: bool = False):
         self.shape = weight.shape
-        self.packed = pack
+        self.packed, self.widen = pack, widen and not pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.widen and x.numel() > DECODE_ROWS * x.shape[-1]:
+            return widened_linear(x, self.weight)
         if not self.packed:
             return F.linear(x, self.weight)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, None, "none", [], "")
         return y.view(*x.shape[:-1], self.shape[0])
 
 
-DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the int8 GEMM; wider ones (prefill) the blocks below
 ALIGN = 16  # torch 2.13's CPU _weight_int8pack_mm reads garbage or crashes unless in % 16 == 0 (and checks nothing)
 BLOCK = 4096  # weight rows dequantised at a time for a wide input: the bf16 transient stays BLOCK x in
 

@@ -86,6 +86,7 @@ def generate(
         kernels,
         router_weights=s.model.router_weights,
         pack=plan.pack,
+        widen=plan.widen,
         dense=plan.dense,
         quant=s.model.quant,
     )

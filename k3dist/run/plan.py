@@ -20,7 +20,7 @@ from ..engine.sampling import ALL_MODES, SamplingMode
 from ..kernels.backend import expected, select
 from ..model.cache import cache_nbytes, cache_shapes
 from ..model.experts import experts_dense
-from ..model.linear import packable
+from ..model.linear import packable, widened
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
 from ..weights.quant_plan import int8_terms
@@ -35,6 +35,7 @@ class RunPlan:
     longest: int  # the longest prompt planned for
     kind: str  # how the decode step runs: eager, graph or compile
     pack: bool  # weights packed for oneDNN at bind time
+    widen: bool  # prefill GEMMs widened to fp32 (a CPU without units for the compute dtype)
     dense: bool  # MoE experts held as one dense GEMM pair (model/experts.py)
     reuse: bool  # prefix snapshots on
     runtimes: dict[int, RuntimeMemory]  # by rank, for the ranks planned (rank 0 of a server also serves HTTP)
@@ -62,6 +63,7 @@ def plan_run(
         longest = 1
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     pack = run != "load" and kind == "eager" and packable(dtype, device)
+    widen = run != "load" and widened(dtype, device)
     # the kernels the run selects (a what-if asks which it would, without building them)
     backend = expected(s.kernels.backend, device) if s.run.mode == "plan" else select(s.kernels.backend, device).name
     dense = experts_dense(cfg, g.batch, pack, moe_block=backend == "cpu")
@@ -84,6 +86,7 @@ def plan_run(
             itemsize=dtype.itemsize,
             device_type=device.type,
             dense_experts=dense,
+            widen=widen,
             graphs=len(modes),
             top=WIDEST if serving else TOP,
             scoring=serving,
@@ -95,7 +98,7 @@ def plan_run(
         saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
         derived = _derived(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
         terms[rank] = MemoryTerms(cache, runtimes[rank].total, derived, pool, saved, reserve)
-    return RunPlan(run, world, dtype, modes, longest, kind, pack, dense, reuse, runtimes, terms)
+    return RunPlan(run, world, dtype, modes, longest, kind, pack, widen, dense, reuse, runtimes, terms)
 
 
 def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, pack: bool, dense: bool, int8: bool, transient: int):

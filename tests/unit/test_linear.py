@@ -1,0 +1,39 @@
+"""The projections' weight holders (k3dist/model/linear.py): a prefill widened to fp32 on a CPU without units for the
+compute dtype computes what the low-precision GEMM computes (fp32 sums, one rounding), a block of rows at a time."""
+
+import torch
+import torch.nn.functional as F
+
+from k3dist.model.linear import DECODE_ROWS, Linear, widened, widened_linear
+
+
+def _pair(rows: int, out: int = 10, cols: int = 48, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols, generator=gen).to(dtype)
+    w = (0.1 * torch.randn(out, cols, generator=gen)).to(dtype)
+    return x, w
+
+
+def test_widened_blocks_equal_one_fp32_gemm_rounded_once():
+    x, w = _pair(20)
+    whole = F.linear(x.float(), w.float()).to(x.dtype)
+    for block in (1, 3, 10, 64):  # blocks that split the rows unevenly, and one past them
+        assert torch.equal(widened_linear(x, w, block), whole)
+    exact = F.linear(x.double(), w.double())
+    assert (widened_linear(x, w).double() - exact).abs().max() <= exact.abs().max() * 2**-8  # one bf16 rounding
+
+
+def test_a_linear_widens_prefill_rows_only():
+    lin = Linear(_pair(1)[1], widen=True)
+    for rows in (1, DECODE_ROWS, DECODE_ROWS + 1, 40):
+        x, _ = _pair(rows)
+        want = widened_linear(x, lin.weight) if rows > DECODE_ROWS else F.linear(x, lin.weight)
+        got = lin(x.view(1, rows, -1))  # a prefill's [n, T, D] input keeps its leading dims
+        assert got.shape == (1, rows, 10) and got.dtype == x.dtype and torch.equal(got[0], want)
+
+
+def test_widening_is_for_cpus_without_units_for_the_dtype():
+    cpu = torch.device("cpu")
+    assert not widened(torch.float32, cpu)
+    if torch.backends.mkldnn.is_available():
+        assert widened(torch.bfloat16, cpu) == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
