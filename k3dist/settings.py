@@ -1,12 +1,13 @@
 """Typed job settings from the composed Hydra config: one dataclass per config group, the config's own key names.
 
-The job crosses process boundaries as a plain dict (spawned ranks); `parse` checks every value a user can override
-and turns a bad one into one `error:` line naming the key.
+Each field declares its key once (checks.key): its default (conf/<group>/*.yaml says the same), its check and its
+meaning (README's configuration table says the same); tests/unit/test_settings.py keeps the three in agreement.
+The job crosses process boundaries as a plain dict (spawned ranks); `parse` checks every value a user can override,
+turns a bad one into one `error:` line naming the key, and resolves the null defaults that depend only on settings.
 """
 
-import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,23 +16,97 @@ from .base.dtypes import COMPUTE, compute_dtype
 from .base.errors import K3Error
 from .base.fault_injection import Faults
 from .base.units import parse_bytes
+from .checks import Choice, Flag, Int, Number, OrNull, Size, Text, key, read_group
 
 CONFIGS = Path(__file__).parent / "configs"
 MODES = ("generate", "load", "plan", "serve")
 PLANNED = ("generate", "serve", "load")  # the runs run.mode=plan can plan for
-# decode steps between the host's looks: a server streams each token as it comes (benchmarks/serve.py: inter-token
-# latency p50 266 -> 33 ms at concurrency 1, 3% less throughput at 16); an offline run looks less often
+# decode.sync_every when null: a server looks at the tokens after every step, so each token is streamed as it comes;
+# an offline run looks less often, as each look waits for the device (docs/serving.md has the trade measured)
 SYNC_SERVE, SYNC_BATCH = 1, 8
+SNAPSHOT_CHUNKS = 4  # prefix.every when null, in prefill chunks
+
+
+def _config_file(value, job) -> Path:
+    """A config.json by name in k3dist/configs/ or by path; it must exist only when model.path is null."""
+    config_file = Path(str(value or ""))
+    if (job.get("model") or {}).get("path") is None:
+        if not config_file.is_absolute():
+            config_file = CONFIGS / config_file
+        if not config_file.is_file():
+            raise ValueError(f"names no config ({config_file})")
+    return config_file
+
+
+def _prompt(value, job) -> str | list[int] | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if min(value) >= 0:
+            return list(value)
+    raise ValueError("must be text or a non-empty list of token ids")
+
+
+def _stop(value, job) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError("must be a string or a list of non-empty strings")
+    return tuple(stop)
+
+
+def _host(value, job) -> str:
+    if not Text()(value):
+        raise ValueError("must be an address to listen on, such as 127.0.0.1 or 0.0.0.0")
+    return value
+
+
+def _port(value, job) -> int:
+    if Int(0)(value) > 65535:
+        raise ValueError("must be a TCP port (0-65535; 0 picks a free one)")
+    return value
+
+
+def _every(value, job) -> int | None:
+    every, chunk = OrNull(Int(1))(value), (job.get("generate") or {}).get("prefill_chunk")
+    if every is not None and isinstance(chunk, int) and chunk > 0 and every % chunk:
+        raise ValueError(f"must be a multiple of generate.prefill_chunk={chunk}, so snapshots fall on chunk ends")
+    return every
+
+
+ON_OFF = Choice("auto", "on", "off")
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    config_file: Path  # the twin's (or what-if) config.json when `path` is null
-    path: str | None
-    dtype: str  # auto or a compute dtype
-    seed: int  # seed of the twin's random weights
-    router_weights: str
-    quant: str = "none"  # none or int8: weight-only int8 projections, made at bind time (weights/quant_plan.py)
+    name: str = key("twin_0_40b", Text(), "the `model=` option: `twin_0_40b` or `kimi_linear_48b` (conf/model/)")
+    config_file: Path = key(
+        CONFIGS / "Kimi-K3-0.40B-config.json",
+        _config_file,
+        "the model's config.json when `model.path` is null (the twin's, or a what-if's); names are in k3dist/configs/",
+    )
+    path: str | None = key(
+        None,
+        Text(cast=True),
+        "HF checkpoint dir (config.json, *.safetensors, optional index, tokenizer files); null: the twin, written "
+        "once to `$K3DIST_CACHE` from its seed",
+    )
+    dtype: str = key(
+        "auto", Choice("auto", *COMPUTE), "compute dtype: `auto` (the checkpoint's), `bfloat16`, `float16`, `float32`"
+    )
+    seed: int = key(0, Int(0), "seed of the twin's random weights")
+    router_weights: str = key(
+        "unbiased",
+        Choice("unbiased", "biased"),
+        "`unbiased` (vLLM, transformers 5.x) or `biased` (original HF remote code)",
+    )
+    quant: str = key(
+        "none",
+        Choice("none", "int8"),
+        "`int8`: weight-only int8 projections and LM head, per-output-channel scales, bf16 activations, made at "
+        "bind time (weights/quant_plan.py, docs/model.md)",
+    )
 
     def compute_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         return compute_dtype(checkpoint_dtype if self.dtype == "auto" else self.dtype).torch
@@ -39,91 +114,169 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class DistSettings:
-    nproc: int
-    world_size: int | None  # run.mode=plan: the world to plan for
-    timeout_s: float  # agreements
-    collective_timeout_s: float  # collectives of prefill and decode (a first capture can be slow)
-    backend: str
-    device: str
-    check_tokens: bool  # debug: after every window, ranks compare their generated ids (engine/control.py)
+    nproc: int = key(1, Int(1), "ranks launch.py starts on this machine when not under torchrun")
+    world_size: int | None = key(
+        None, OrNull(Int(1)), "`run.mode=plan`: the world to plan for, in one process (null: the running world)"
+    )
+    timeout_s: float = key(
+        120.0, Number(1.0), "how long a rank waits on its peers in an agreement before it names the missing ranks"
+    )
+    collective_timeout_s: float = key(
+        600.0, Number(1.0), "how long a prefill or decode collective may wait (a first compile or capture can be slow)"
+    )
+    backend: str = key("auto", Choice("auto", "gloo", "nccl"), "`auto` (nccl on CUDA, gloo on CPU), `gloo`, `nccl`")
+    device: str = key(
+        "auto",
+        Choice("auto", "cpu", "cuda"),
+        "`auto`, `cpu`, `cuda` (one rank per GPU: `cuda:LOCAL_RANK`, or `cuda:0` when one is visible)",
+    )
+    check_tokens: bool = key(
+        False, Flag(), "debug: after every window the ranks compare their generated ids; a mismatch ends the run"
+    )
 
 
 @dataclass(frozen=True)
 class MemorySettings:
-    reserve: int | None  # None: the device's default (memory.py)
-    free: int | None
-    drop_page_cache: str  # auto (CUDA only), on, off: weights/pagecache.py
+    reserve: int | None = key(
+        None,
+        Size(),
+        "headroom per rank (`512MiB`, `2GiB`); null: the device's, resolved by the run plan (run/plan.py): 64 MiB "
+        "on CPU, 2 GiB + 3% of the device on CUDA",
+    )
+    free: int | None = key(None, Size(), "override the detected free memory per rank (what-if planning)")
+    drop_page_cache: str = key(
+        "auto",
+        ON_OFF,
+        "`auto`: drop a file's cached pages once every rank of the machine has read it (CUDA only); `on`; `off`",
+    )
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """The resident hybrid cache; only the MLA latent grows with `cap` (KDA state is fixed-size)."""
 
-    cap: int  # tokens per sequence
+    cap: int = key(4096, Int(1), "MLA latent cache capacity, tokens per sequence (preallocated)")
 
 
 @dataclass(frozen=True)
 class GenerateSettings:
-    prompt: str | list[int] | None
-    prompt_len: int | None  # set: seeded random ids of this length instead of `prompt`
-    prompts: str | None  # a JSONL file of requests
-    outputs: str | None
-    chat: bool
-    system: str | None
-    batch: int
-    max_new_tokens: int
-    stop: tuple[str, ...]
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    stream: str
-    prefill_chunk: int
+    prompt: str | list[int] | None = key(
+        "Tell me about the lighthouse at the end of the pier.",
+        _prompt,
+        "text or token ids for every slot; null: 16 seeded random ids",
+    )
+    prompt_len: int | None = key(None, OrNull(Int(1)), "N: N seeded random ids instead of `prompt` (benchmarks)")
+    prompts: str | None = key(
+        None, Text(), "a JSONL file of requests, one a line: `prompt`, `messages` or `ids`, and sampling fields"
+    )
+    outputs: str | None = key(None, Text(), "where outputs.jsonl goes (null: next to result.json)")
+    chat: bool = key(False, Flag(), "render the checkpoint's chat template around the prompt")
+    system: str | None = key(None, Text(), "the system message of a `chat` prompt")
+    batch: int = key(1, Int(1), "slots decoded together")
+    max_new_tokens: int = key(32, Int(0), "token budget per request")
+    stop: tuple[str, ...] = key(
+        (), _stop, "a string or a list of strings that end a sequence (cut from the text); eos ids are the checkpoint's"
+    )
+    temperature: float = key(0.0, Number(), "0: greedy")
+    top_p: float = key(
+        1.0,
+        Number(0.0, 1.0, open_low=True),
+        "nucleus cut: sample among the likeliest tokens up to this probability mass (1.0: no cut)",
+    )
+    top_k: int = key(0, Int(0), "0: no top-k cut")
+    seed: int = key(
+        0, Int(0), "sampling seed: slot i (or request i of a file) draws with seed + i, alike on every rank"
+    )
+    stream: str = key("auto", ON_OFF, "print text as it comes: `auto` (when stdout is a terminal), `on`, `off`")
+    prefill_chunk: int = key(
+        512,
+        Int(1),
+        "prompt tokens per prefill forward, and per window: a longer prompt is prefilled over several windows, "
+        "between the decode steps of the running requests",
+    )
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    compile: str
-    sync_every: int  # null in the config: SYNC_SERVE for a server (every token streamed as it comes), else SYNC_BATCH
+    compile: str = key(
+        "auto", ON_OFF, "`auto`: CUDA graph on CUDA, eager on CPU; `on`: CUDA graph / `torch.compile`; `off`"
+    )
+    sync_every: int = key(
+        None,
+        OrNull(Int(1)),
+        "decode steps between the host's looks at the tokens (stops, refills, streams); null, resolved by parse: "
+        "1 for `run.mode=serve` (each token streamed as it comes), 8 otherwise",
+    )
 
 
 @dataclass(frozen=True)
 class KernelSettings:
-    backend: str
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """run.mode=serve: the HTTP front on rank 0 (k3dist/serve/)."""
-
-    host: str
-    port: int
-    api_key: str | None  # or the environment's K3DIST_API_KEY; None: no key asked
-    model_name: str | None  # None: the checkpoint dir's name
-    max_waiting: int  # requests queued beyond the slots before new ones get 503
-    max_body: int  # bytes of a request body
-    drain_s: float  # on SIGTERM / Ctrl-C: how long in-flight requests may still run
-
-
-@dataclass(frozen=True)
-class PrefixSettings:
-    """Exact prefix reuse (engine/prefix.py): snapshots of one sequence's hybrid state, keyed by its token ids."""
-
-    enabled: str  # auto (on for run.mode=serve and prompts files), on, off
-    bytes: int  # the device pool (the plan's prefix_bytes)
-    host_bytes: int  # snapshots evicted from it are kept in (pinned) host memory up to this
-    every: int | None  # prompt tokens between snapshots; None: 4 x generate.prefill_chunk
-
-    def on(self, mode: str, prompts_file: bool) -> bool:
-        return self.enabled == "on" or (self.enabled == "auto" and (mode == "serve" or prompts_file))
+    backend: str = key(
+        "auto",
+        Choice("auto", "torch", "cpu", "triton"),
+        "`auto` (Triton on CUDA when it imports; the C++ CPU ops on a CPU when they build; else torch), `torch`, "
+        "`cpu`, `triton`",
+    )
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """What the job does: generate, stop after the weights (load), or only plan every rank (plan)."""
 
-    mode: str
-    plan_for: str = "generate"  # run.mode=plan: the run planned for (generate, serve or load)
+    mode: str = key(
+        "generate",
+        Choice(*MODES),
+        "`generate`, `load` (stop after the weights), `plan` (inventory, plan and verdict, no upload), `serve` (HTTP)",
+    )
+    plan_for: str = key(
+        "generate",
+        Choice(*PLANNED),
+        "`run.mode=plan`: the run it plans (`generate`, `serve` or `load`); every rank's `admitted` and terms are "
+        "that run's own",
+    )
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """run.mode=serve: the HTTP front on rank 0 (k3dist/serve/, docs/serving.md)."""
+
+    host: str = key("127.0.0.1", _host, "address to listen on (`0.0.0.0`: every interface)")
+    port: int = key(8000, _port, "TCP port; 0 picks a free one (the ready line names it)")
+    api_key: str | None = key(
+        None,
+        Text(),
+        "when set, every /v1 route wants `Authorization: Bearer <key>`; null, resolved by parse: `K3DIST_API_KEY` "
+        "from the environment, else no key",
+    )
+    model_name: str | None = key(
+        None, Text(), "the name /v1/models lists and requests must use; null: the checkpoint dir's name"
+    )
+    max_waiting: int = key(256, Int(0), "requests queued beyond the slots; more get 503 with Retry-After")
+    max_body: int = key(4 * 2**20, Size(null=0), "largest request body; more gets 413")
+    drain_s: float = key(10.0, Number(), "on SIGTERM / Ctrl-C: how long in-flight requests may still run")
+
+
+@dataclass(frozen=True)
+class PrefixSettings:
+    """Exact prefix reuse (engine/prefix.py, docs/prefix.md): snapshots of one sequence's hybrid state, keyed by its
+    token ids."""
+
+    enabled: str = key(
+        "auto", ON_OFF, "docs/prefix.md: `auto` (on for `run.mode=serve` and `generate.prompts` files), `on`, `off`"
+    )
+    bytes: int = key(2**30, Size(null=0), "the device pool of snapshots, LRU by bytes (in the plan as `prefix_bytes`)")
+    host_bytes: int = key(
+        0, Size(null=0), "snapshots evicted from the pool are kept in (pinned) host memory up to this"
+    )
+    every: int = key(
+        None,
+        _every,
+        "prompt tokens between snapshots of a long prompt, a multiple of `generate.prefill_chunk`; null, resolved by "
+        "parse: 4 prefill chunks (snapshots are also taken where prompts branch)",
+    )
+
+    def on(self, mode: str, prompts_file: bool) -> bool:
+        return self.enabled == "on" or (self.enabled == "auto" and (mode == "serve" or prompts_file))
 
 
 @dataclass(frozen=True)
@@ -138,183 +291,40 @@ class Settings:
     run: RunSettings
     serve: ServeSettings
     prefix: PrefixSettings
-    out: str | None
-    fault: Faults
+    out: str | None  # result.json's path (launch.py fills in the run dir's)
+    fault: Faults  # tests only (base/fault_injection.py)
 
 
-class _Section:
-    """Reads one config group, naming `group.key` in every refusal."""
-
-    def __init__(self, job: dict, group: str):
-        self.values, self.group = job.get(group) or {}, group
-
-    def fail(self, key: str, why: str):
-        raise K3Error(f"{self.group}.{key}={self.values.get(key)!r} {why}")
-
-    def integer(self, key: str, low: int = 0, optional: bool = False):
-        value = self.values.get(key)
-        if value is None and optional:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            self.fail(key, f"must be an integer >= {low}")
-        return value
-
-    def number(self, key: str, low: float = 0.0, high: float | None = None, open_low: bool = False) -> float:
-        """A finite number in [low, high] ((low, high] with open_low): NaN and infinity are refused too."""
-        value = self.values.get(key)
-        bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-        if bad or value < low or (open_low and value == low) or (high is not None and value > high):
-            bounds = f"{'(' if open_low else '['}{low}, {high if high is not None else 'inf)'}"
-            self.fail(key, f"must be a finite number in {bounds}{']' if high is not None else ''}")
-        return float(value)
-
-    def choice(self, key: str, choices) -> str:
-        value = self.values.get(key)
-        if isinstance(value, bool) and "on" in choices:  # YAML reads a bare on/off as a boolean
-            value = "on" if value else "off"
-        if value not in choices:
-            self.fail(key, f"must be one of {list(choices)}")
-        return value
-
-    def flag(self, key: str) -> bool:
-        value = self.values.get(key)
-        if not isinstance(value, bool):
-            self.fail(key, "must be true or false")
-        return value
-
-    def text(self, key: str) -> str | None:
-        value = self.values.get(key)
-        if value is not None and not isinstance(value, str):
-            self.fail(key, "must be a string")
-        return value
-
-    def size(self, key: str) -> int | None:
-        value = self.values.get(key)
-        return None if value is None else parse_bytes(value, f"{self.group}.{key}")
-
-
-def _prompt(gen: _Section):
-    prompt = gen.values.get("prompt")
-    if prompt is None or (isinstance(prompt, str) and prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if min(prompt) >= 0:
-            return list(prompt)
-    gen.fail("prompt", "must be text or a non-empty list of token ids")
-
-
-def _stop(gen: _Section) -> tuple[str, ...]:
-    stop = gen.values.get("stop")
-    if stop is None:
-        return ()
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        gen.fail("stop", "must be a string or a list of non-empty strings")
-    return tuple(stop)
-
-
-def _model(sec: _Section) -> ModelSettings:
-    config_file = Path(str(sec.values.get("config_file") or ""))
-    if sec.values.get("path") is None:
-        if not config_file.is_absolute():
-            config_file = CONFIGS / config_file
-        if not config_file.is_file():
-            sec.fail("config_file", f"names no config ({config_file})")
-    path = sec.values.get("path")
-    return ModelSettings(
-        config_file=config_file,
-        path=None if path is None else str(path),
-        dtype=sec.choice("dtype", ("auto", *COMPUTE)),
-        seed=sec.integer("seed"),
-        router_weights=sec.choice("router_weights", ("unbiased", "biased")),
-        quant=sec.choice("quant", ("none", "int8")) if "quant" in sec.values else "none",
-    )
-
-
-def _serve(sec: _Section) -> ServeSettings:
-    port = sec.integer("port")
-    if port > 65535:
-        sec.fail("port", "must be a TCP port (0-65535; 0 picks a free one)")
-    host = sec.text("host")
-    if not host:
-        sec.fail("host", "must be an address to listen on, such as 127.0.0.1 or 0.0.0.0")
-    return ServeSettings(
-        host=host,
-        port=port,
-        api_key=sec.text("api_key") or os.environ.get("K3DIST_API_KEY") or None,
-        model_name=sec.text("model_name") or None,
-        max_waiting=sec.integer("max_waiting"),
-        max_body=sec.size("max_body") or 0,
-        drain_s=sec.number("drain_s"),
-    )
-
-
-def _prefix(sec: _Section, chunk) -> PrefixSettings:
-    every = sec.integer("every", 1, optional=True)
-    if every is not None and isinstance(chunk, int) and chunk > 0 and every % chunk:
-        sec.fail("every", f"must be a multiple of generate.prefill_chunk={chunk}, so snapshots fall on chunk ends")
-    return PrefixSettings(
-        enabled=sec.choice("enabled", ("auto", "on", "off")),
-        bytes=sec.size("bytes") or 0,
-        host_bytes=sec.size("host_bytes") or 0,
-        every=every,
-    )
+GROUPS = {f.name: f.type for f in fields(Settings) if is_dataclass(f.type) and f.type is not Faults}
 
 
 def parse(job: dict) -> Settings:
-    """Check every value a user can override; a bad one is an `error:` line naming the key."""
-    groups = ("model", "dist", "memory", "cache", "generate", "decode", "kernels", "run", "serve", "prefix")
-    model, dist, mem, cache, gen, dec, ker, run, serve, prefix = (_Section(job, g) for g in groups)
-    fault = dict(job.get("fault") or {})
+    """Check every value a user can override (a bad one is an `error:` line naming the key), then resolve the null
+    defaults that depend only on settings."""
+    groups = {name: read_group(cls, job, name) for name, cls in GROUPS.items()}
+    return _resolved(Settings(**groups, out=job.get("out"), fault=_faults(job.get("fault"))))
+
+
+def _resolved(s: Settings) -> Settings:
+    """Null defaults resolved once, here; memory.reserve depends on the device and the run plan resolves it."""
+    sync = s.decode.sync_every or (SYNC_SERVE if s.run.mode == "serve" else SYNC_BATCH)
+    every = s.prefix.every or SNAPSHOT_CHUNKS * s.generate.prefill_chunk
+    api_key = s.serve.api_key or os.environ.get("K3DIST_API_KEY") or None
+    return replace(
+        s,
+        decode=replace(s.decode, sync_every=sync),
+        prefix=replace(s.prefix, every=every),
+        serve=replace(s.serve, api_key=api_key, model_name=s.serve.model_name or None),
+    )
+
+
+def _faults(values: dict | None) -> Faults:
+    """fault.* (tests only): known faults only; free and free_drop are byte sizes."""
+    fault = dict(values or {})
     known = {f.name for f in fields(Faults)}
     if set(fault) - known:
         raise K3Error(f"fault.{sorted(set(fault) - known)[0]} is not a fault (known: {sorted(known)})")
-    for key in ("free", "free_drop"):
-        if fault.get(key) is not None:
-            fault[key] = parse_bytes(fault[key], f"fault.{key}")
-    return Settings(
-        model=_model(model),
-        dist=DistSettings(
-            nproc=dist.integer("nproc", 1),
-            world_size=dist.integer("world_size", 1, optional=True),
-            timeout_s=dist.number("timeout_s", 1.0),
-            collective_timeout_s=dist.number("collective_timeout_s", 1.0),
-            backend=dist.choice("backend", ("auto", "gloo", "nccl")),
-            device=dist.choice("device", ("auto", "cpu", "cuda")),
-            check_tokens=dist.flag("check_tokens"),
-        ),
-        memory=MemorySettings(
-            reserve=mem.size("reserve"),
-            free=mem.size("free"),
-            drop_page_cache=mem.choice("drop_page_cache", ("auto", "on", "off")),
-        ),
-        cache=CacheSettings(cap=cache.integer("cap", 1)),
-        generate=GenerateSettings(
-            prompt=_prompt(gen),
-            prompt_len=gen.integer("prompt_len", 1, optional=True),
-            prompts=gen.text("prompts"),
-            outputs=gen.text("outputs"),
-            chat=gen.flag("chat"),
-            system=gen.text("system"),
-            batch=gen.integer("batch", 1),
-            max_new_tokens=gen.integer("max_new_tokens", 0),
-            stop=_stop(gen),
-            temperature=gen.number("temperature"),
-            top_p=gen.number("top_p", 0.0, 1.0, open_low=True),  # as a request's own top_p (text/prompt_file.py)
-            top_k=gen.integer("top_k"),
-            seed=gen.integer("seed"),
-            stream=gen.choice("stream", ("auto", "on", "off")),
-            prefill_chunk=gen.integer("prefill_chunk", 1),
-        ),
-        decode=DecodeSettings(
-            compile=dec.choice("compile", ("auto", "on", "off")),
-            sync_every=dec.integer("sync_every", 1, optional=True)
-            or (SYNC_SERVE if run.values.get("mode") == "serve" else SYNC_BATCH),
-        ),
-        kernels=KernelSettings(backend=ker.choice("backend", ("auto", "torch", "cpu", "triton"))),
-        run=RunSettings(mode=run.choice("mode", MODES), plan_for=run.choice("plan_for", PLANNED)),
-        serve=_serve(serve),
-        prefix=_prefix(prefix, gen.values.get("prefill_chunk")),
-        out=job.get("out"),
-        fault=Faults(**fault),
-    )
+    for name in ("free", "free_drop"):
+        if fault.get(name) is not None:
+            fault[name] = parse_bytes(fault[name], f"fault.{name}")
+    return Faults(**fault)

@@ -16,24 +16,30 @@ _UNITS = {
 }
 
 
-def parse_bytes(value, key: str = "size") -> int:
-    """`512MiB` -> 536870912. Refuses anything else with an `error:` naming the key."""
-    from .errors import K3Error
-
+def byte_size(value) -> int:
+    """`512MiB` -> 536870912. Anything else raises ValueError saying why (`is not a byte size ...`)."""
     if isinstance(value, bool):
-        raise K3Error(f"{key}={value!r} is not a byte size")
-    if isinstance(value, int):
-        number, unit = value, ""
-    elif isinstance(value, float):
+        raise ValueError("is not a byte size")
+    if isinstance(value, (int, float)):
         number, unit = value, ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise K3Error(f"{key}={value!r} is not a byte size (use an int or e.g. 512MiB, 2GiB, 1GB)")
+            raise ValueError("is not a byte size (use an int or e.g. 512MiB, 2GiB, 1GB)")
         number, unit = float(m.group(1)), m.group(2).lower()
     if number < 0:
-        raise K3Error(f"{key}={value!r} is negative")
+        raise ValueError("is negative")
     return int(number * _UNITS[unit])
+
+
+def parse_bytes(value, key: str = "size") -> int:
+    """`512MiB` -> 536870912. Refuses anything else with an `error:` naming the key."""
+    from .errors import K3Error
+
+    try:
+        return byte_size(value)
+    except ValueError as why:
+        raise K3Error(f"{key}={value!r} {why}") from None
 
 
 def fmt_bytes(n: float) -> str:

@@ -46,9 +46,8 @@ def prefix_index(s: Settings, cfg: ModelConfig, world: int, dtype) -> PrefixInde
     """Rank 0's index of snapshots, sized by what one snapshot of L tokens takes on a rank."""
     shapes = cache_shapes(cfg, world, 1, 1, dtype)
     vocab = -(-cfg.vocab_size // world)
-    every = s.prefix.every or 4 * s.generate.prefill_chunk
     host = s.prefix.host_bytes
-    return PrefixIndex(s.prefix.bytes, host, every, lambda n: snapshot_bytes(shapes, n, vocab, dtype.itemsize))
+    return PrefixIndex(s.prefix.bytes, host, s.prefix.every, lambda n: snapshot_bytes(shapes, n, vocab, dtype.itemsize))
 
 
 def _drain_from_follower(limit_s: float, signum: int) -> None:

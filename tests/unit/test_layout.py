@@ -9,6 +9,7 @@ ORDER = [
     "base",
     "kernels",
     "config",
+    "checks",
     "settings",
     "text",
     "weights",
