@@ -2,7 +2,7 @@
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
 ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, a one-row
-int8 GEMV and the logits' top-k with their log-sum-exp for the CPU.
+int8 GEMV, decode rows' GEMV and the logits' top-k with their log-sum-exp for the CPU.
 `auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports, else the references. The model
 receives a `Kernels` the way it receives its `TPComm`, and never asks again.
 """
@@ -26,6 +26,7 @@ class Kernels:
     int8_mm: Callable | None = None  # cpu_ops.int8_mm's (one activation row); None: torch's int8 GEMM (quant.py)
     topk_lse: Callable | None = None  # cpu_ops.topk_lse's; None: torch's top-k and log-sum-exp (model/tp.py)
     mla_absorbed: Callable | None = None  # cpu_ops.mla_absorbed's; None: bmm's around mla_decode (model/mla.py)
+    linear_rows: Callable | None = None  # cpu_ops.linear_rows' (decode rows); None: F.linear (model/linear.py)
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -45,6 +46,7 @@ def _cpu() -> Kernels | None:
         int8_mm=cpu_ops.int8_mm,
         topk_lse=cpu_ops.topk_lse,
         mla_absorbed=cpu_ops.mla_absorbed,
+        linear_rows=cpu_ops.linear_rows,
     )
 
 

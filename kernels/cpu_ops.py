@@ -21,7 +21,7 @@ from .kda_fused import KDALayer
 log = logging.getLogger("k3dist")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("kda_decode.cpp", "moe_decode.cpp", "int8_mm.cpp", "topk_lse.cpp", "mla_decode.cpp")
+SOURCES = ("kda_decode.cpp", "moe_decode.cpp", "int8_mm.cpp", "topk_lse.cpp", "mla_decode.cpp", "linear_rows.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
 
 
@@ -81,6 +81,7 @@ def _register_fakes() -> None:
         "int8_mm": _int8_fake,
         "topk_lse": _topk_lse_fake,
         "mla_decode": _mla_fake,
+        "linear_rows": _linear_rows_fake,
     }
     for name, fake in fakes.items():
         try:
@@ -103,6 +104,10 @@ def _moe_fake(x, *_):
 
 def _int8_fake(x, q, scales):
     return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _linear_rows_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def _topk_lse_fake(logits, k):
@@ -149,6 +154,12 @@ def int8_mm(x, q, scales):
     """x [1, in] times an int8 weight q [out, in] with per-row scales [out]: [1, out] in x's dtype, as torch's
     _weight_int8pack_mm computes it, at the memory bandwidth (batch-1 decode; more rows: torch's op is faster)."""
     return torch.ops.k3dist.int8_mm(x, q, scales)
+
+
+def linear_rows(x, w):
+    """x [M, K] (M <= 16, decode rows) times a contiguous bf16, fp16 or fp32 weight w [N, K]: [M, N] in x's dtype, as
+    F.linear computes it, reading the weight once at the memory bandwidth where oneDNN has no units for its dtype."""
+    return torch.ops.k3dist.linear_rows(x, w)
 
 
 def topk_lse(logits, k: int):

@@ -49,7 +49,11 @@ def build_model(
     def lin(name: str):
         int8 = quant == "int8" and quantized(name)
         weight = weights.pop(name) if pack or int8 else weights[name]
-        make = (lambda part: Int8Linear(part, kernels.int8_mm)) if int8 else (lambda part: Linear(part, pack, widen))
+        make = (
+            (lambda part: Int8Linear(part, kernels.int8_mm))
+            if int8
+            else (lambda part: Linear(part, pack, widen, kernels.linear_rows))
+        )
         if weight.dim() == 3:  # stacked projections (KDA's f_b, g_b): one Linear each
             return tuple(make(part) for part in weight.unbind(0))
         return make(weight)

@@ -6,10 +6,11 @@ Widening: on a CPU without bf16 (or fp16) units, torch's low-precision GEMM runs
 GEMM over the same values (BENCHMARKS.md, "Measurements behind the code"). There a prefill's projections widen the
 input and a block of WIDE_BLOCK weight rows at a time to fp32: fp32 products of bf16 values summed in fp32 are what
 the bf16 GEMM computes too, and the result is rounded once to the compute dtype as it rounds it. Decode rows keep the
-plain GEMM (it streams the weight; widening it would cost more than it saves).
+low-precision weight: they stream it, through the CPU ops' `linear_rows` (each weight row read once at the memory
+bandwidth for every row of the batch, fp32 sums, one rounding) where they built, else torch's GEMM.
 
-Prepacking: on such CPUs torch's bf16 `F.linear` reads the weight at well under the memory bandwidth for one token;
-the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
+Prepacking: on CPUs with bf16 units torch's bf16 `F.linear` reads the weight at well under the memory bandwidth for one
+token; the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
 (BENCHMARKS.md). The packed copy replaces the plain one, so it costs memory only while it is made (the plan's
 `derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones.
 """
@@ -41,6 +42,7 @@ def widened(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the plain (or int8) GEMM; wider ones are blocked
+ROWS_OP_MAX = 16  # the most rows `linear_rows` takes (kernels/csrc/linear_rows.cpp)
 WIDE_BLOCK = 1024  # weight rows widened to fp32 at a time: the transient stays WIDE_BLOCK x in x 4 bytes
 
 
@@ -54,15 +56,20 @@ def widened_linear(x: Tensor, weight: Tensor, block: int = WIDE_BLOCK) -> Tensor
 
 
 class Linear:
-    """x @ weight^T for a [out, in] weight: plain, prepacked, or widened for prefill (`widen`)."""
+    """x @ weight^T for a [out, in] weight: plain, prepacked, or widened for prefill (`widen`), its decode rows then
+    through `rows` where the backend has it (Kernels.linear_rows)."""
 
-    def __init__(self, weight: Tensor, pack: bool = False, widen: bool = False):
+    def __init__(self, weight: Tensor, pack: bool = False, widen: bool = False, rows=None):
         self.shape = weight.shape
         self.packed, self.widen = pack, widen and not pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
+        self.rows = rows if self.widen and weight.is_contiguous() else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.widen and x.numel() > DECODE_ROWS * x.shape[-1]:
+        n = x.numel() // x.shape[-1]
+        if self.rows is not None and n <= ROWS_OP_MAX:
+            return self.rows(x.reshape(n, -1), self.weight).view(*x.shape[:-1], self.shape[0])
+        if self.widen and n > DECODE_ROWS:
             return widened_linear(x, self.weight)
         if not self.packed:
             return F.linear(x, self.weight)

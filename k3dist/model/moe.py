@@ -39,7 +39,9 @@ class MoE:
         else:
             self._few = self._many = self._chunk = dense
         shared = prefix + "shared_experts."
-        shared_lin = lin if self.kernel is None else (lambda name: Linear(w(name), widen=b.widen))
+        shared_lin = (
+            lin if self.kernel is None else (lambda name: Linear(w(name), widen=b.widen, rows=b.kernels.linear_rows))
+        )
         self.shared = (
             (shared_lin(shared + "gate_up_proj.weight"), shared_lin(shared + "down_proj.weight"))
             if cfg.num_shared_experts

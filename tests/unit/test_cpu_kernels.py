@@ -280,3 +280,19 @@ def test_mla_absorbed_threads_agree():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M, N, K", [(1, 300, 1024), (3, 70, 37), (16, 33, 96)])
+def test_linear_rows_equal_fp32_sums_rounded_once_and_each_row_alone(M, N, K, dtype):
+    """Decode rows' GEMV: what F.linear computes (fp32 sums of the weight's values, one rounding to x's dtype), and a
+    row's result bit for bit the same whatever rows come with it."""
+    g = torch.Generator().manual_seed(M * N + K)
+    x, w = torch.randn(M, K, generator=g).to(dtype), (0.1 * torch.randn(N, K, generator=g)).to(dtype)
+    got = cpu_ops.linear_rows(x, w)
+    want = F.linear(x.double(), w.double())
+    assert got.dtype == dtype and got.shape == (M, N)
+    ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-22}[dtype]
+    assert ((got.double() - want).abs() <= want.abs() * ulp + 1e-6 * want.abs().max()).all()
+    for m in range(M):
+        assert torch.equal(cpu_ops.linear_rows(x[m : m + 1], w), got[m : m + 1])

@@ -1,10 +1,12 @@
 """The projections' weight holders (k3dist/model/linear.py): a prefill widened to fp32 on a CPU without units for the
 compute dtype computes what the low-precision GEMM computes (fp32 sums, one rounding), a block of rows at a time."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from k3dist.model.linear import DECODE_ROWS, Linear, widened, widened_linear
+from k3dist.kernels import cpu_ops
+from k3dist.model.linear import DECODE_ROWS, ROWS_OP_MAX, Linear, widened, widened_linear
 
 
 def _pair(rows: int, out: int = 10, cols: int = 48, dtype=torch.bfloat16):
@@ -30,6 +32,17 @@ def test_a_linear_widens_prefill_rows_only():
         want = widened_linear(x, lin.weight) if rows > DECODE_ROWS else F.linear(x, lin.weight)
         got = lin(x.view(1, rows, -1))  # a prefill's [n, T, D] input keeps its leading dims
         assert got.shape == (1, rows, 10) and got.dtype == x.dtype and torch.equal(got[0], want)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the CPU ops do not build here")
+def test_decode_rows_go_through_the_rows_op_and_wider_inputs_widen():
+    w = _pair(1)[1]
+    lin = Linear(w, widen=True, rows=cpu_ops.linear_rows)
+    for rows in (1, DECODE_ROWS, ROWS_OP_MAX, ROWS_OP_MAX + 1):
+        x, _ = _pair(rows)
+        want = cpu_ops.linear_rows(x, w) if rows <= ROWS_OP_MAX else widened_linear(x, w)
+        assert torch.equal(lin(x), want)
+    assert Linear(w, rows=cpu_ops.linear_rows).rows is None  # rows op only where prefill widens too
 
 
 def test_widening_is_for_cpus_without_units_for_the_dtype():
