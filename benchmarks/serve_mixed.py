@@ -43,7 +43,7 @@ async def mixed(server: Server, shorts: list[str], long_ids: list[int] | None, a
     gaps = [g for r in results for g in r["itl"]]
     failed = [r["error"] for r in results + [long_result or {}] if r.get("error")]
     pick = lambda q: float(np.percentile(gaps, q)) * 1e3 if gaps else None  # noqa: E731
-    return {"p50": pick(50), "p99": pick(99), "max": max(gaps) * 1e3, "failed": failed,
+    return {"p50": pick(50), "p99": pick(99), "max": max(gaps) * 1e3 if gaps else None, "failed": failed,
             "long_ttft": long_result["ttft"] if long_result else None}  # fmt: skip
 
 
