@@ -46,7 +46,8 @@ def buildable() -> bool:
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    built = Path(_get_build_directory(_name(), verbose=False)) / f"{_name()}.so"
+    name = _name()
+    built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
     return built.is_file() or (shutil.which("ninja") is not None and shutil.which("c++") is not None)
 
 
