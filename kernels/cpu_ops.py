@@ -66,7 +66,9 @@ def build_error() -> str | None:
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the references still run
-        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        lines = str(exc).strip().splitlines() or [""]
+        first_error = next((line.strip() for line in lines if "error:" in line), None)  # the compiler's own words
+        why = f"{type(exc).__name__}: {first_error or lines[-1]}"
         log.warning("k3dist: CPU decode kernels unavailable, using the torch references (%s)", why)
         return why
     _register_fakes()
