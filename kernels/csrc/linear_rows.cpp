@@ -1,13 +1,17 @@
 // A few activation rows (decode: one per live slot) times a compute-dtype weight [N, K], for CPUs whose oneDNN has
 // no units for that dtype: torch's low-precision GEMV there streams the weight well under the memory bandwidth. Here
 // each weight row is read once and dotted with every activation row while it is in L1 (gemv.h: widened a vector at
-// a time, four FMA chains, fp32 sums); each output is rounded once to x's dtype, as torch's GEMM rounds it. A row's
+// a time, each widened vector used for a group of activation rows, four FMA chains per row, fp32 sums); each output is rounded once to x's dtype, as torch's GEMM rounds it. A row's
 // result does not depend on how many rows came with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#include <type_traits>
 
 #include "gemv.h"
 
@@ -19,16 +23,82 @@ constexpr int64_t MAX_ROWS = 16;
 template <typename T>
 void rows(const T* w, const float* x, float* y, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t m = 0; m < M; ++m) y[m * N + r] = k3::dot(w + r * K, x + m * K, K);
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t m = 0;
+#if defined(K3_LANES)
+      if constexpr (!std::is_same_v<T, float>) {  // a widened vector of the row serves GROUP rows of x at once
+        for (; m + k3::GROUP <= M; m += k3::GROUP)
+          k3::dots_widened<k3::GROUP>(w + r * K, x + m * K, K, K, y + m * N + r, N);
+      }
+#endif
+      for (; m < M; ++m) y[m * N + r] = k3::dot(w + r * K, x + m * K, K);
+    }
   });
 }
+
+#if defined(__AVX512BF16__)
+// On CPUs with AVX-512 bf16 dot products: bf16 rows of x (exact, as they come) against the bf16 weight, 32 products a
+// instruction summed in fp32 (vdpbf16ps: no widening, half the instructions of the widened dot). G rows of x share
+// each loaded vector of the weight; every row sums in two chains in the same order whatever G is, so a row's result
+// does not depend on the rows that came with it.
+inline __m512bh load_bf16(const c10::BFloat16* p, int64_t n) {  // up to 32 bf16, zeros past n (none for n <= 0)
+  const __mmask32 m = n >= 32 ? ~__mmask32(0) : n <= 0 ? __mmask32(0) : (__mmask32(1) << n) - 1;
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+
+template <int G>
+inline void dots_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, float* y, int64_t N) {
+  __m512 a0[G], a1[G];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= K; i += 64) {
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w + i), v1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      a0[g] = _mm512_dpbf16_ps(a0[g], (__m512bh)_mm512_loadu_si512(x + g * K + i), v0);
+      a1[g] = _mm512_dpbf16_ps(a1[g], (__m512bh)_mm512_loadu_si512(x + g * K + i + 32), v1);
+    }
+  }
+  if (i < K) {  // the row's last 1-63 values: the first 32 into chain 0, the rest into chain 1
+    const __m512bh v0 = load_bf16(w + i, K - i), v1 = load_bf16(w + i + 32, K - i - 32);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      a0[g] = _mm512_dpbf16_ps(a0[g], load_bf16(x + g * K + i, K - i), v0);
+      a1[g] = _mm512_dpbf16_ps(a1[g], load_bf16(x + g * K + i + 32, K - i - 32), v1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) y[g * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[g], a1[g]));
+}
+
+void rows_bf16(const c10::BFloat16* w, const c10::BFloat16* x, float* y, int64_t M, int64_t N, int64_t K) {
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* row = w + r * K;
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) dots_bf16<8>(row, x + m * K, K, y + m * N + r, N);
+      if (M - m >= 4) dots_bf16<4>(row, x + m * K, K, y + m * N + r, N), m += 4;
+      if (M - m >= 2) dots_bf16<2>(row, x + m * K, K, y + m * N + r, N), m += 2;
+      if (M - m >= 1) dots_bf16<1>(row, x + m * K, K, y + m * N + r, N);
+    }
+  });
+}
+#endif
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "linear_rows: x [M, K], w [N, K]");
   TORCH_CHECK(x.size(0) <= MAX_ROWS, "linear_rows: at most ", MAX_ROWS, " rows");
   TORCH_CHECK(w.is_contiguous(), "linear_rows: a contiguous weight");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
+    auto xc = x.contiguous();
+    auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+    rows_bf16(w.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>(), y.data_ptr<float>(), M, N, K);
+    return y.to(x.scalar_type());
+  }
+#endif
   auto xf = x.to(at::kFloat).contiguous();
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();

@@ -283,7 +283,9 @@ def test_mla_absorbed_threads_agree():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("M, N, K", [(1, 300, 1024), (3, 70, 37), (16, 33, 96)])
+@pytest.mark.parametrize(
+    "M, N, K", [(1, 300, 1024), (3, 70, 37), (16, 33, 96), (7, 50, 1000), (13, 40, 100), (5, 64, 32)]
+)
 def test_linear_rows_equal_fp32_sums_rounded_once_and_each_row_alone(M, N, K, dtype):
     """Decode rows' GEMV: what F.linear computes (fp32 sums of the weight's values, one rounding to x's dtype), and a
     row's result bit for bit the same whatever rows come with it."""
