@@ -10,6 +10,7 @@ from .linear import Linear
 
 DENSE_MAX_RATIO = 8  # dense experts compute E/k times the routed FLOPs; the grouped loop is no faster up to 8
 ONE_OP_TOKENS = 16  # decode batches up to this many tokens run the one-op CPU MoE block where it builds
+ONE_OP_PREFILL = 48  # prefill pieces up to this many tokens run it too, ONE_OP_TOKENS at a time
 
 
 def dense_wanted(experts: int, top_k: int, batch: int, pack: bool, one_op: bool = False) -> bool:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
-from .experts import ONE_OP_TOKENS, DenseExperts
+from .experts import ONE_OP_PREFILL, ONE_OP_TOKENS, DenseExperts
 from .layers import Binding, swiglu
 from .linear import Linear
 
@@ -107,6 +107,12 @@ class MoE:
         return self.comm.all_reduce(out).view(shape)
 
     def prefill(self, x: Tensor) -> Tensor:
+        """A short piece (a prompt's rest after a restored snapshot, a chat turn) runs the one-op block a few tokens
+        at a time: the grouped GEMMs pad every expert's rows and cost about the same from 1 token to 100s."""
+        flat = x.reshape(-1, x.shape[-1])
+        if self.kernel is not None and self.dense is None and len(flat) <= ONE_OP_PREFILL:
+            parts = [self._one_op(flat[a : a + ONE_OP_TOKENS]) for a in range(0, len(flat), ONE_OP_TOKENS)]
+            return torch.cat(parts).view(x.shape)
         return self._forward(x, self._chunk)
 
 

@@ -1,12 +1,17 @@
 """The MoE paths without host syncs (decode: gathered expert weights; prefill: tokens sorted by expert, grouped
-GEMMs; dense experts where a batch covers them) equal a loop over experts; the two-stage top-k of the logits."""
+GEMMs; dense experts where a batch covers them) equal a loop over experts; the two-stage top-k of the logits; short
+prefill pieces through the one-op CPU block."""
 
 import pytest
 import torch
 
+from k3dist.kernels import cpu_ops
 from k3dist.kernels.moe import experts_gathered, experts_grouped, experts_loop, experts_sorted
-from k3dist.model.experts import DenseExperts, dense_wanted
+from k3dist.model.experts import ONE_OP_PREFILL, ONE_OP_TOKENS, DenseExperts, dense_wanted
 from k3dist.model.linear import packable
+from k3dist.model.moe import MoE
+from tests.support.configs import small_config
+from tests.support.models import random_model
 
 
 def _case(N: int, E: int = 12, k: int = 3, D: int = 64, I: int = 32, dtype=torch.float32, seed: int = 0):
@@ -90,3 +95,19 @@ def test_two_stage_topk_gives_the_top_values(V):
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
             torch.testing.assert_close(x.gather(1, ids), got, rtol=0, atol=0, equal_nan=True)
             assert all(len(set(row.tolist())) == k for row in ids)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the CPU ops do not build here")
+def test_short_prefill_pieces_take_the_one_op_block_and_agree_with_the_grouped_gemms():
+    _, model, _ = random_model(small_config(), backend="auto", seed=3)
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE) and layer.mlp.kernel is not None]
+    assert moes, "the small config's MoE layers take the one-op block"
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, ONE_OP_TOKENS + 3, ONE_OP_PREFILL, ONE_OP_PREFILL + 1):
+        x = torch.randn(1, tokens, moes[0].gate.shape[1], generator=gen)
+        with torch.inference_mode():
+            got, grouped = moes[0].prefill(x), moes[0]._forward(x, moes[0]._chunk)
+            blocks = [moes[0]._one_op(x[0, a : a + ONE_OP_TOKENS]) for a in range(0, tokens, ONE_OP_TOKENS)]
+        torch.testing.assert_close(got, grouped, rtol=1e-5, atol=1e-5)
+        want = torch.cat(blocks).view(x.shape) if tokens <= ONE_OP_PREFILL else grouped
+        assert torch.equal(got, want)
