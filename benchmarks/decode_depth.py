@@ -38,7 +38,7 @@ def bind(batch: int, cap: int, backend: str):
     from k3dist.kernels.backend import select
     from k3dist.model.build import build_model
     from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
-    from k3dist.model.linear import pack_wanted
+    from k3dist.model.linear import packable
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
     from k3dist.weights.loader import load_weights
@@ -52,8 +52,7 @@ def bind(batch: int, cap: int, backend: str):
     store = load_weights(scan(model_dir, cfg), rt, dt, terms)
     cache = HybridCache(cfg, 1, batch, cap, dt, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
-    kernels = select(backend, rt.device)
-    pack = pack_wanted(dt, rt.device, batch, rows_op=kernels.linear_rows is not None)  # as the run plan decides
+    kernels, pack = select(backend, rt.device), packable(dt, rt.device)
     model = build_model(cfg, store.tensors, comm, cache, kernels, pack=pack)
     return model, cache, DecodeStep(model, cache)
 

@@ -12,9 +12,9 @@ bandwidth for every row of the batch, fp32 sums, one rounding) where they built,
 Prepacking: on CPUs with bf16 units torch's bf16 `F.linear` reads the weight at well under the memory bandwidth for one
 token; the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
 (BENCHMARKS.md). The packed copy replaces the plain one, so it costs memory only while it is made (the plan's
-`derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones. A run of at most
-ROWS_BEFORE_PACKING slots keeps plain weights where the CPU ops built and streams its decode rows through
-`linear_rows`, faster still (`pack_wanted`); its prefill GEMMs are oneDNN's on the plain weight.
+`derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones. (Plain weights with
+the decode-rows op decode faster at 1-4 slots on a Xeon with AMX, but oneDNN then keeps a reordered copy of each
+weight a prefill GEMM reads, memory no plan term holds: BENCHMARKS.md, "Measurements behind the code".)
 
 A decode row through `linear_rows` gives the same values whatever rows come with it (batch invariance).
 """
@@ -34,16 +34,6 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
-
-
-ROWS_BEFORE_PACKING = 4  # decode batches of up to this many rows go through `linear_rows` on plain weights instead
-
-
-def pack_wanted(dtype: torch.dtype, device: torch.device, batch: int, rows_op: bool) -> bool:
-    """Whether a run packs its weights: where packing pays (`packable`), unless its decode rows are few enough that
-    the CPU ops' `linear_rows` (`rows_op`: they built) streams a plain weight faster than oneDNN a packed one
-    (BENCHMARKS.md, "Measurements behind the code": the whole step is faster at 1-4 slots, even at 8, slower at 16)."""
-    return packable(dtype, device) and not (rows_op and batch <= ROWS_BEFORE_PACKING)
 
 
 def widened(dtype: torch.dtype, device: torch.device) -> bool:

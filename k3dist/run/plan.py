@@ -20,7 +20,7 @@ from ..engine.sampling import ALL_MODES, SamplingMode
 from ..kernels.backend import expected, select
 from ..model.cache import cache_nbytes, cache_shapes
 from ..model.experts import experts_dense
-from ..model.linear import pack_wanted, widened
+from ..model.linear import packable, widened
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
 from ..weights.quant_plan import int8_terms
@@ -64,7 +64,7 @@ def plan_run(
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     # the kernels the run selects (a what-if asks which it would, without building them)
     backend = expected(s.kernels.backend, device) if s.run.mode == "plan" else select(s.kernels.backend, device).name
-    pack = run != "load" and kind == "eager" and pack_wanted(dtype, device, g.batch, rows_op=backend == "cpu")
+    pack = run != "load" and kind == "eager" and packable(dtype, device)
     widen = run != "load" and widened(dtype, device)
     dense = experts_dense(cfg, g.batch, pack, moe_block=backend == "cpu")
     reuse = run != "load" and s.prefix.on(run, prompts_file)

@@ -1,6 +1,6 @@
 """The projections' weight holders (k3dist/model/linear.py): a prefill widened to fp32 on a CPU without units for the
 compute dtype computes what the low-precision GEMM computes (fp32 sums, one rounding), a block of rows at a time;
-decode rows of a plain low-precision weight go through the CPU ops' rows op; a run packs unless its batch is small."""
+decode rows of a plain low-precision weight go through the CPU ops' rows op."""
 
 import pytest
 import torch
@@ -9,10 +9,8 @@ import torch.nn.functional as F
 from k3dist.kernels import cpu_ops
 from k3dist.model.linear import (
     DECODE_ROWS,
-    ROWS_BEFORE_PACKING,
     ROWS_OP_MAX,
     Linear,
-    pack_wanted,
     packable,
     widened,
     widened_linear,
@@ -56,15 +54,6 @@ def test_decode_rows_go_through_the_rows_op_and_wider_inputs_widen():
     assert Linear(w.float(), rows=cpu_ops.linear_rows).rows is None  # fp32: torch's GEMV
     if packable(w.dtype, w.device):
         assert Linear(w, pack=True, rows=cpu_ops.linear_rows).rows is None  # a packed weight is oneDNN's alone
-
-
-def test_a_run_packs_unless_its_few_decode_rows_take_the_rows_op():
-    cpu = torch.device("cpu")
-    for batch in (1, ROWS_BEFORE_PACKING, ROWS_BEFORE_PACKING + 1, 64):
-        for rows_op in (False, True):
-            want = packable(torch.bfloat16, cpu) and not (rows_op and batch <= ROWS_BEFORE_PACKING)
-            assert pack_wanted(torch.bfloat16, cpu, batch, rows_op) == want
-    assert not pack_wanted(torch.float32, cpu, 64, rows_op=False)
 
 
 def test_widening_is_for_cpus_without_units_for_the_dtype():
