@@ -110,7 +110,7 @@ class MoE:
         """A short piece (a prompt's rest after a restored snapshot, a chat turn) runs the one-op block a few tokens
         at a time: the grouped GEMMs pad every expert's rows and cost about the same from 1 token to 100s."""
         flat = x.reshape(-1, x.shape[-1])
-        if self.kernel is not None and self.dense is None and len(flat) <= ONE_OP_PREFILL:
+        if self.kernel is not None and len(flat) <= ONE_OP_PREFILL:  # (a kernel only without dense experts)
             parts = [self._one_op(flat[a : a + ONE_OP_TOKENS]) for a in range(0, len(flat), ONE_OP_TOKENS)]
             return torch.cat(parts).view(x.shape)
         return self._forward(x, self._chunk)

@@ -1,19 +1,17 @@
 // A few activation rows (decode: one per live slot) times a compute-dtype weight [N, K], for CPUs whose oneDNN has
 // no units for that dtype: torch's low-precision GEMV there streams the weight well under the memory bandwidth. Here
 // each weight row is read once and dotted with every activation row while it is in L1 (gemv.h: widened a vector at
-// a time, each widened vector used for a group of activation rows, four FMA chains per row, fp32 sums); each output is rounded once to x's dtype, as torch's GEMM rounds it. A row's
-// result does not depend on how many rows came with it.
+// a time, each widened vector used for a group of activation rows, four FMA chains per row, fp32 sums); each output
+// is rounded once to x's dtype, as torch's GEMM rounds it. A row's result does not depend on how many rows came with
+// it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 #include <type_traits>
 
-#include "gemv.h"
+#include "gemv.h"  // (immintrin.h with it on AVX-512)
 
 namespace {
 
