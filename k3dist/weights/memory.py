@@ -148,11 +148,12 @@ def peak_bytes(device: torch.device) -> int:
 
     On Linux the resident peak is read from /proc/self/status (VmHWM): getrusage's ru_maxrss survives execve, so a
     rank started from a large parent (a test runner, a notebook) would report the parent's size instead of its own.
+    Library code mapped since the bare process is not the run's (code_since_base).
     """
     if device.type == "cuda":
         return max(_EARLIER_PEAK, torch.cuda.max_memory_allocated(device))
     own = _status_bytes("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return max(_EARLIER_PEAK, own)
+    return max(_EARLIER_PEAK, own - code_since_base())
 
 
 CPU_RESERVE = 64 * 2**20  # the libraries' own state after a load (tokenizer tables, thread pools): ~36 MiB measured
@@ -195,29 +196,44 @@ def start_peak_window(device: torch.device) -> int:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-    return _status_bytes("VmRSS:")
+    return _status_bytes("VmRSS:") - code_since_base()
 
 
 def window_peak(device: torch.device) -> int:
-    """The peak since start_peak_window (allocation on CUDA, resident set on CPU)."""
+    """The peak since start_peak_window (allocation on CUDA, resident set less code_since_base on CPU)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return _status_bytes("VmHWM:") or peak_bytes(device)
+    hwm = _status_bytes("VmHWM:")
+    return hwm - code_since_base() if hwm else peak_bytes(device)
 
 
 _BASE = 0  # this process's resident set before the run held anything (mark_base)
+_BASE_CODE = 0  # of which file-backed pages: the interpreter's and the libraries' code mapped by then
 
 
 def mark_base() -> None:
     """Note the resident set of the bare process (interpreter, torch and k3dist imported), which the plan's
     `admitted` does not count: what a rank holds for the run is its resident set minus this."""
-    global _BASE
-    _BASE = _status_bytes("VmRSS:")
+    global _BASE, _BASE_CODE
+    _BASE, _BASE_CODE = _status_bytes("VmRSS:"), _status_bytes("RssFile:")
+
+
+def code_since_base() -> int:
+    """File-backed pages mapped since mark_base: library code first run by the run (oneDNN's GEMMs, the CPU ops, the
+    tokenizer), which belongs to the bare process's libraries, not to the run, and which the plan does not hold.
+
+    The kernel maps a library's code at its page cache's folio size: up to 2 MiB where the file was written recently
+    (a fresh install), 4 KiB plus fault-around where it was read back later. The same run's resident set thus varied by
+    80 MB with the page cache's history (docs/memory.md); its data did not. Shared, clean and reclaimable, these pages
+    are counted with the bare process. A peak read as VmHWM less this understates the data by at most the code first
+    mapped after the peak (the few decode steps after a prefill's peak)."""
+    return max(_status_bytes("RssFile:") - _BASE_CODE, 0) if _BASE_CODE else 0
 
 
 def resident_bytes(device: torch.device) -> tuple[int, int]:
-    """(what this rank holds now, its bare process): the resident set and mark_base's figure on a CPU, the caching
-    allocator's reserved bytes and 0 on CUDA (the device holds nothing before the run)."""
+    """(what this rank holds now, its bare process): on a CPU the resident set and mark_base's figure plus the code
+    mapped since (code_since_base), so that their difference is the run's data; on CUDA the caching allocator's
+    reserved bytes and 0 (the device holds nothing before the run)."""
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device), 0
-    return _status_bytes("VmRSS:"), _BASE
+    return _status_bytes("VmRSS:"), _BASE + code_since_base()

@@ -1,7 +1,7 @@
-"""The plan covers the real peak: on the CPU, a rank's peak resident set minus a bare interpreter's (torch imported)
-stays at or below its `admitted`, at batch 1 and 4, prompts of 16, 2048 and 8192 tokens, world 1 and 2; and
-`runtime_bytes` stays within 2x of the memory generation really added (result.json's measured `memory`), less the GEMM
-caches' allowance for the upper bound."""
+"""The plan covers the real peak: on the CPU, a rank's peak (its resident set less the library code it mapped after
+its bare process: docs/memory.md) minus a bare interpreter's (torch imported) stays at or below its `admitted`, at
+batch 1 and 4, prompts of 16, 2048 and 8192 tokens, world 1 and 2; and `runtime_bytes` stays within 2x of the memory
+generation really added (result.json's measured `memory`), less the GEMM caches' allowance for the upper bound."""
 
 import json
 import subprocess
