@@ -163,17 +163,16 @@ class Runner:
         else:
             rows = torch.tensor(slots, device=self.device)
             ids = torch.tensor([self.filling[slot][0].ids[start:end] for slot in slots], device=self.device)
-            if not any(slot in self.scoring for slot in slots):
-                logits = self.model.prefill(ids, rows, start)
-            else:  # positions up to a prompt's last but one score its next token (prompt_logprobs.py)
-                h = self.model.prefill_hidden(ids, rows, start)
-                logits = self.model.logits(h[:, -1])
-                for row, slot in enumerate(slots):
-                    prompt, wanted = self.filling[slot][0].ids, self.scoring.get(slot)
-                    if wanted is not None and (n := min(end, len(prompt) - 1) - start) > 0:
-                        following = torch.tensor(prompt[start + 1 : start + 1 + n], device=self.device)
-                        wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
-                del h
+            h = self.model.prefill_hidden(ids, rows, start)
+            for row, slot in enumerate(slots):  # positions up to a prompt's last but one score its next token
+                prompt, wanted = self.filling[slot][0].ids, self.scoring.get(slot)
+                if wanted is not None and (n := min(end, len(prompt) - 1) - start) > 0:
+                    following = torch.tensor(prompt[start + 1 : start + 1 + n], device=self.device)
+                    wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
+            # the LM head only where a token is emitted or a snapshot taken: a piece in the middle of a prompt
+            # would read the whole head for logits nobody uses
+            logits = self.model.logits(h[:, -1]) if any(self._wants_logits(slot, end) for slot in slots) else None
+            del h
         done = []
         for row, slot in enumerate(slots):
             self.restored.pop(slot, None)
@@ -190,6 +189,12 @@ class Runner:
                 if admit.emit:
                     done.append((admit, logits[row]))
         return done
+
+    def _wants_logits(self, slot: int, end: int) -> bool:
+        """Whether the piece of `slot`'s prompt ending at `end` needs its last logits: a snapshot asked for there
+        keeps them, the prompt's end emits from them."""
+        admit = self.filling[slot][0]
+        return end in dict(admit.saves) or (end == len(admit.ids) and admit.emit)
 
     def _start(self, a: Admit) -> None:
         """Empty the slot, restore the request's snapshot, load its sampling settings (host-to-device writes, outside

@@ -1,6 +1,6 @@
 """A server stays inside its memory plan under mixed traffic (docs/memory.md): 320 requests to a world-1 server with
 prompts of 1 to 2,000 tokens, streams dropped, clients giving up, malformed bodies, n=2 streams, a hostile chat
-template's huge render and a text no slot could hold; the rank's resident set grows by less than a bound over the
+template's huge render and a text no slot could hold; the data the rank holds grows by less than a bound over the
 second half and stays within `admitted`, and /metrics says what /proc says. It counts bytes; nothing is timed."""
 
 import json
@@ -20,10 +20,12 @@ from tests.support.server import Server
 
 SLOTS, CAP, REQUESTS = 4, 2048, 300
 MiB = 2**20
-# What the second half may add, measured after the allocator's trim: pages the heap keeps for its own bookkeeping and
-# the GEMM caches' churn at their cap, a few MiB (1.9-2.6 MiB measured). What this test guards against is steady and far
-# larger: with oneDNN's default caches (a kernel of ~0.7 MiB per new GEMM row count) the second half added 160 MiB.
-GROWTH_BOUND = 8 * MiB
+# What the second half may add to the rank's data (resident less base: library code first run in the second half goes
+# to the base, docs/memory.md), measured after the allocator's trim: pages the heap keeps for its own bookkeeping and
+# the GEMM caches' churn at their cap, a few MiB (1.9-2.6 MiB measured on AMD Zen; 5.8-8.1 MB in fresh venvs on an
+# Intel Xeon with AMX). What this test guards against is steady and far larger: with oneDNN's default caches (a kernel
+# of ~0.7 MiB per new GEMM row count) the second half added 160 MiB.
+GROWTH_BOUND = 12 * MiB
 HUGE = "{%- if messages[0].content == 'expand' %}{{ 'x' * 10**9 }}{% endif %}"  # ahead of the twin's own template
 
 
@@ -118,7 +120,7 @@ def test_memory_stays_flat_and_within_the_plan(soaked):
     outcomes = first + second
     assert outcomes.count("answered") >= REQUESTS // 2 and outcomes.count("refused") == REQUESTS // 5, outcomes
     report = json.dumps({"half": half, "end": end})
-    assert end["resident"] - half["resident"] < GROWTH_BOUND, report
+    assert (end["resident"] - end["base"]) - (half["resident"] - half["base"]) < GROWTH_BOUND, report
     for m in (half, end):
         assert 0 < m["resident"] - m["base"] <= m["admitted"], report
         assert abs(m["resident"] - m["proc"]) < m["resident"] / 10, report  # /metrics says what /proc says
