@@ -54,6 +54,11 @@ class Timings:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+def _save_at(admit: Admit, end: int) -> int | None:
+    """The snapshot id `admit` asks for at position `end`, if any (its saves are few: a tuple scanned)."""
+    return next((snap for at, snap in admit.saves if at == end), None)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -178,9 +183,8 @@ class Runner:
             self.restored.pop(slot, None)
             admit = self.filling[slot][0]
             self.filling[slot][1] = end
-            wanted = dict(admit.saves)
-            if end in wanted:
-                self.snapshots.save(wanted[end], slot, end, logits[row])
+            if (snap := _save_at(admit, end)) is not None:
+                self.snapshots.save(snap, slot, end, logits[row])
             if end == len(admit.ids):
                 del self.filling[slot]
                 self.cache.positions[slot] = end
@@ -194,7 +198,7 @@ class Runner:
         """Whether the piece of `slot`'s prompt ending at `end` needs its last logits: a snapshot asked for there
         keeps them, the prompt's end emits from them."""
         admit = self.filling[slot][0]
-        return end in dict(admit.saves) or (end == len(admit.ids) and admit.emit)
+        return _save_at(admit, end) is not None or (end == len(admit.ids) and admit.emit)
 
     def _start(self, a: Admit) -> None:
         """Empty the slot, restore the request's snapshot, load its sampling settings (host-to-device writes, outside

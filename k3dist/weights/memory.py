@@ -152,8 +152,9 @@ def peak_bytes(device: torch.device) -> int:
     """
     if device.type == "cuda":
         return max(_EARLIER_PEAK, torch.cuda.max_memory_allocated(device))
-    own = _status_bytes("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return max(_EARLIER_PEAK, own - code_since_base())
+    status = proc_status()
+    own = status.get("VmHWM", 0) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return max(_EARLIER_PEAK, own - code_since_base(status))
 
 
 CPU_RESERVE = 64 * 2**20  # the libraries' own state after a load (tokenizer tables, thread pools): ~36 MiB measured
@@ -168,16 +169,15 @@ def default_reserve(device: torch.device) -> int:
     return 2 * 2**30 + torch.cuda.get_device_properties(device).total_memory * 3 // 100
 
 
-def _status_bytes(key: str) -> int:
-    """A size from /proc/self/status (Linux), or 0 where there is none."""
+def proc_status() -> dict[str, int]:
+    """The sizes in /proc/self/status, in bytes, by name (VmRSS, VmHWM, RssFile, ...): one read, so that figures
+    combined from several of them are of the same moment. Empty where there is no such file (not Linux)."""
     try:
-        status = Path("/proc/self/status").read_text()
+        lines = Path("/proc/self/status").read_text().splitlines()
     except OSError:
-        return 0
-    for line in status.splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    return 0
+        return {}
+    sizes = (line.split() for line in lines if line.endswith(" kB"))
+    return {words[0].rstrip(":"): int(words[1]) * 1024 for words in sizes}
 
 
 def start_peak_window(device: torch.device) -> int:
@@ -196,15 +196,16 @@ def start_peak_window(device: torch.device) -> int:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-    return _status_bytes("VmRSS:") - code_since_base()
+    status = proc_status()
+    return status.get("VmRSS", 0) - code_since_base(status)
 
 
 def window_peak(device: torch.device) -> int:
     """The peak since start_peak_window (allocation on CUDA, resident set less code_since_base on CPU)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    hwm = _status_bytes("VmHWM:")
-    return hwm - code_since_base() if hwm else peak_bytes(device)
+    status = proc_status()
+    return status["VmHWM"] - code_since_base(status) if status.get("VmHWM") else peak_bytes(device)
 
 
 _BASE = 0  # this process's resident set before the run held anything (mark_base)
@@ -215,19 +216,21 @@ def mark_base() -> None:
     """Note the resident set of the bare process (interpreter, torch and k3dist imported), which the plan's
     `admitted` does not count: what a rank holds for the run is its resident set minus this."""
     global _BASE, _BASE_CODE
-    _BASE, _BASE_CODE = _status_bytes("VmRSS:"), _status_bytes("RssFile:")
+    status = proc_status()
+    _BASE, _BASE_CODE = status.get("VmRSS", 0), status.get("RssFile", 0)
 
 
-def code_since_base() -> int:
-    """File-backed pages mapped since mark_base: library code first run by the run (oneDNN's GEMMs, the CPU ops, the
-    tokenizer), which belongs to the bare process's libraries, not to the run, and which the plan does not hold.
+def code_since_base(status: dict[str, int]) -> int:
+    """File-backed pages mapped since mark_base, from a proc_status() reading: library code first run by the run
+    (oneDNN's GEMMs, the CPU ops, the tokenizer), which belongs to the bare process's libraries, not to the run, and
+    which the plan does not hold.
 
     The kernel maps a library's code at its page cache's folio size: up to 2 MiB where the file was written recently
     (a fresh install), 4 KiB plus fault-around where it was read back later. The same run's resident set thus varied by
     80 MB with the page cache's history (docs/memory.md); its data did not. Shared, clean and reclaimable, these pages
     are counted with the bare process. A peak read as VmHWM less this understates the data by at most the code first
     mapped after the peak (the few decode steps after a prefill's peak)."""
-    return max(_status_bytes("RssFile:") - _BASE_CODE, 0) if _BASE_CODE else 0
+    return max(status.get("RssFile", 0) - _BASE_CODE, 0) if _BASE_CODE else 0
 
 
 def resident_bytes(device: torch.device) -> tuple[int, int]:
@@ -236,4 +239,5 @@ def resident_bytes(device: torch.device) -> tuple[int, int]:
     reserved bytes and 0 (the device holds nothing before the run)."""
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device), 0
-    return _status_bytes("VmRSS:"), _BASE + code_since_base()
+    status = proc_status()
+    return status.get("VmRSS", 0), _BASE + code_since_base(status)
