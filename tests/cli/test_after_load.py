@@ -7,6 +7,7 @@ from k3dist.twin.checkpoint import write_checkpoint
 from tests.ranks.test_faults import run_watched
 from tests.support.cli_run import error_lines
 from tests.support.configs import small_config
+from tests.support.tiers import slow_but
 
 
 @pytest.fixture(scope="module")
@@ -14,8 +15,14 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(small_config(), tmp_path_factory.mktemp("after") / "m", seed=2)
 
 
-@pytest.mark.parametrize("stage", ["prefill", "decode"])
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize(
+    "rank, stage",
+    slow_but(
+        [(r, s) for s in ("prefill", "decode") for r in (0, 1)],
+        keep=[(0, "prefill"), (1, "decode")],
+        ids=lambda p: f"{p[0]}-{p[1]}",
+    ),
+)
 def test_a_failure_after_the_load_is_every_ranks_line(monkeypatch, ckpt, tmp_path, stage, rank):
     rc, text, seen, left = run_watched(
         monkeypatch, tmp_path, f"model.path={ckpt}", "dist.nproc=2", f"fault.rank={rank}", f"fault.raise_in={stage}"

@@ -166,6 +166,7 @@ def test_help_and_cfg_show_the_config():
     assert out.returncode == 0 and "model: kimi_linear_48b, twin_0_40b" in out.stdout
 
 
+@pytest.mark.slow  # the 48B what-if from its config stays in the default run
 def test_what_if_plan_from_a_sparse_checkpoint_equals_the_config_plan(tmp_path):
     sparse = tmp_path / "sparse48b"
     done = subprocess.run(

@@ -12,6 +12,7 @@ import pytest
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import run_cli
 from tests.support.configs import small_config
+from tests.support.tiers import slow_but
 
 # Big enough that activations, not interpreter noise, decide the figures; small enough to prefill 4 x 8192 quickly.
 MEMORY_CONFIG = small_config(
@@ -40,9 +41,12 @@ def bare_rss() -> int:
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("prompt", [16, 2048, 8192])
+POINTS = [(prompt, batch, world) for prompt in (16, 2048, 8192) for batch in (1, 4) for world in (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "prompt, batch, world", slow_but(POINTS, keep=[(2048, 4, 2), (8192, 1, 1)], ids=lambda p: "-".join(map(str, p)))
+)
 def test_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world, batch, prompt):
     rc, text, result = run_cli(
         tmp_path,
@@ -67,7 +71,7 @@ def test_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world, batch,
         assert measured / 2 <= runtime and runtime - allowance <= 2 * measured, report
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", slow_but([1, 2], keep=[2]))
 def test_int8_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world):
     """model.quant=int8 binds one int8 copy at a time (derived_bytes) and then holds bound_bytes < local_bytes."""
     rc, text, result = run_cli(

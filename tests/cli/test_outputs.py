@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import ROOT, error_lines
 from tests.support.configs import small_config
+from tests.support.tiers import slow_but
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_a_read_only_directory_is_refused(ckpt, tmp_path):
     assert rc == 1 and len(lines) == 1 and f"cannot write in {locked}" in lines[0], text
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", slow_but([1, 2], keep=[2]))
 def test_an_unexpected_exception_is_one_line_naming_rank_and_place(ckpt, tmp_path, nproc):
     out = tmp_path / "result.json"
     rc, text = launch(
@@ -93,12 +94,15 @@ def test_an_unexpected_exception_is_one_line_naming_rank_and_place(ckpt, tmp_pat
 
 @pytest.mark.parametrize(
     "override, words",
-    [
-        ("dist.timeout_s=inf", "dist.timeout_s"),
-        ("dist.collective_timeout_s=nan", "dist.collective_timeout_s"),
-        ("generate.temperature=inf", "generate.temperature"),
-        ("generate.top_p=0", "generate.top_p"),
-    ],
+    slow_but(
+        [
+            ("dist.timeout_s=inf", "dist.timeout_s"),
+            ("dist.collective_timeout_s=nan", "dist.collective_timeout_s"),
+            ("generate.temperature=inf", "generate.temperature"),
+            ("generate.top_p=0", "generate.top_p"),
+        ],
+        keep=[("dist.collective_timeout_s=nan", "dist.collective_timeout_s"), ("generate.top_p=0", "generate.top_p")],
+    ),
 )
 def test_non_finite_and_out_of_range_numbers_are_refused(ckpt, tmp_path, override, words):
     rc, text = launch(tmp_path, f"model.path={ckpt}", override, "dist.nproc=2")
@@ -133,6 +137,7 @@ def test_outputs_in_a_folder_not_yet_there_are_written(ckpt, tmp_path):
     assert [json.loads(line)["prompt_tokens"] for line in outputs.read_text().splitlines()] == [3, 2]
 
 
+@pytest.mark.slow  # inductor compiles the step: the slow tier's "compiled engine"
 def test_compiled_step_samples_eagerly_on_the_cpu(ckpt, tmp_path):
     """decode.compile=on compiles greedy decoding only on the CPU (inductor's code for the sampler's integer hash
     hangs or aborts): a sampled request runs the same step eagerly and draws what the eager run draws."""

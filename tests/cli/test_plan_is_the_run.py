@@ -13,6 +13,7 @@ from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import run_cli
 from tests.support.configs import small_config
 from tests.support.server import Server
+from tests.support.tiers import slow_but
 
 SHORT = ("generate.prompt=null", "generate.prompt_len=8", "generate.max_new_tokens=2", "memory.free=64GiB")
 RUNS = {
@@ -43,7 +44,7 @@ def _terms(plan: dict) -> dict:
     return {k: v for k, v in plan.items() if k not in NOT_PLANNED}
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.parametrize("name", slow_but(sorted(RUNS), keep=["int8-batch-cap-w2"]))
 def test_the_what_if_is_the_generate_run(model_dir, tmp_path, name):
     overrides = (*SHORT, *RUNS[name])
     rc, text, result = run_cli(tmp_path / "run", f"model.path={model_dir}", *overrides)

@@ -16,6 +16,7 @@ from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import ROOT, error_lines
 from tests.support.configs import small_config
 from tests.support.procs import Watched
+from tests.support.tiers import slow_but
 
 LINE = "error: interrupted"
 TIMEOUT_S = 120  # dist.timeout_s: a rank blocked in an agreement would wait this long on its own
@@ -69,8 +70,22 @@ def assert_ended(run: Watched, sig: int, rc: int, took: float, left: set[int], p
     assert not left, f"still running after the launcher exited: {left}"
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["launcher", "group"])
-@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def _ctrl_c_and_term(ctrl_c_to_group: bool, keep: str) -> list:
+    """Ctrl-C (SIGINT) to the group or the launcher, and SIGTERM to the other; `keep` stays in the default run."""
+    points = [(signal.SIGINT, ctrl_c_to_group), (signal.SIGTERM, not ctrl_c_to_group)]
+    named = lambda p: "ctrl-c" if p[0] == signal.SIGINT else "term"  # noqa: E731
+    return slow_but(points, keep=[p for p in points if named(p) == keep], ids=named)
+
+
+def _named(point: tuple) -> str:
+    sig, group = point
+    return f"{signal.Signals(sig).name}-{'group' if group else 'launcher'}"
+
+
+@pytest.mark.parametrize(
+    "sig, group",
+    slow_but([(s, g) for g in (False, True) for s in SIGNALS], keep=[(signal.SIGINT, True)], ids=_named),
+)
 def test_two_ranks_busy_in_the_upload_end(ckpt, tmp_path, sig, group):
     run = Watched([*hanging_load(ckpt, tmp_path), "dist.nproc=2"])
     run.wait_for(LAST_SHARD, timeout=START_S)
@@ -78,7 +93,7 @@ def test_two_ranks_busy_in_the_upload_end(ckpt, tmp_path, sig, group):
     assert_ended(run, sig, *interrupt(run, sig, group), processes=3)
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "term"])
+@pytest.mark.parametrize("sig, group", _ctrl_c_and_term(True, keep="term"))
 def test_two_ranks_generating_end(endless, tmp_path, sig, group):
     run = Watched(
         [
@@ -106,7 +121,7 @@ def test_ctrl_c_while_the_ranks_start(ckpt, tmp_path):
     assert LAST_SHARD not in run.text
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["ctrl-c", "term"])
+@pytest.mark.parametrize("sig, group", _ctrl_c_and_term(False, keep="ctrl-c"))
 def test_world_of_one_in_process_ends(ckpt, tmp_path, sig, group):
     """`python launch.py` runs the rank itself; here it sleeps in the upload (fault on rank 0)."""
     run = Watched(hanging_load(ckpt, tmp_path, rank=0))
@@ -115,7 +130,7 @@ def test_world_of_one_in_process_ends(ckpt, tmp_path, sig, group):
     assert_ended(run, sig, *interrupt(run, sig, group), processes=1)
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["ctrl-c", "term"])
+@pytest.mark.parametrize("sig, group", _ctrl_c_and_term(False, keep="term"))
 def test_torchrun_ends_its_ranks(ckpt, tmp_path, sig, group):
     """torchrun is not ours: it logs the shutdown and raises its SignalException (exit 1). Our ranks print one line,
     rank 0's, and no traceback of their own."""
@@ -134,7 +149,7 @@ def test_torchrun_ends_its_ranks(ckpt, tmp_path, sig, group):
     assert not left, f"still running after torchrun exited: {left}"
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "term"])
+@pytest.mark.parametrize("sig, group", _ctrl_c_and_term(True, keep="ctrl-c"))
 def test_interrupted_sweep_summarizes_the_points_that_finished(ckpt, tmp_path, sig, group):
     """Three points; the second hangs (fault on rank 1) and is interrupted, the third never starts."""
     sweep_dir = tmp_path / "sweep"

@@ -66,6 +66,7 @@ def test_refused_point_is_recorded_and_the_sweep_goes_on(small_dir, tmp_path):
     assert "k3dist sweep: 4 points" in text and table[3] in text
 
 
+@pytest.mark.slow
 def test_sweep_points_with_two_ranks(small_dir, tmp_path):
     rc, text, rows, md = sweep(
         tmp_path,

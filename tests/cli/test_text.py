@@ -175,8 +175,14 @@ def _bad_cases(model_dir, tmp):
     ]
 
 
-def test_bad_input_is_one_error_line_on_every_rank(model_dir, tmp_path):
+DEFAULT_BAD = ("not JSON", "too long", "huge render")  # a prompts file, the cache, a template: the rest are slow
+
+
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_bad_input_is_one_error_line_on_every_rank(model_dir, tmp_path, tier):
     for name, overrides, says in _bad_cases(model_dir, tmp_path):
+        if (name in DEFAULT_BAD) != (tier == "default"):
+            continue
         run = tmp_path / name.replace(" ", "-")
         args = [f"model.path={model_dir}", "dist.nproc=2", *overrides]
         started = time.monotonic()

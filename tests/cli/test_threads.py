@@ -11,12 +11,13 @@ import pytest
 
 from k3dist.base import threads
 from tests.support.cli_run import ROOT, run_cli
+from tests.support.tiers import slow_but
 
 SPIN = re.compile(r"^\s*GOMP_SPINCOUNT = '(\d+)'", re.M)
 POLICY = re.compile(r"^\s*OMP_WAIT_POLICY = '(\w+)'", re.M)
 
 
-@pytest.mark.parametrize("how", ["in-process", "spawned", "torchrun"])
+@pytest.mark.parametrize("how", slow_but(["in-process", "spawned", "torchrun"], keep=["spawned"]))
 def test_every_rank_reads_k3dists_wait_policy(tmp_path, monkeypatch, how):
     """OMP_DISPLAY_ENV makes each process's libgomp print what it read when torch loaded it."""
     for name in threads.USERS:
