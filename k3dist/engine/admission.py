@@ -19,6 +19,8 @@ from .control import Admit
 from .prefix import Moves, PrefixIndex
 from .sequences import Prompt
 
+EXTEND_SHARE = 8  # completions of at least 1/8 of a chunk (64 of the default 512 tokens) are extended
+
 
 @dataclass
 class Filling:
@@ -55,7 +57,7 @@ class Admission:
         self.waiting: deque[Prompt] = deque()
         self.filling: Filling | None = None  # the one prompt partly prefilled
         self.filling_waited = False  # it got no piece in the last window: it goes first in the next
-        self.extend: list[tuple[tuple[int, ...], int]] = []  # finished requests' (prompt + completion, completion)
+        self.extend: list[tuple[tuple[int, ...], int]] = []  # finished (prompt + completion, completion): to snapshot
 
     @property
     def pending_tokens(self) -> int:
@@ -157,9 +159,10 @@ class Admission:
         return tuple(saves)
 
     def _extensions(self, idle: list[int], plan: Plan) -> None:
-        """Snapshots of finished requests' prompt + completion (the next chat turn starts with it): a free slot
-        restores the request's prompt snapshot and prefills just the completion, first in the window (a newcomer
-        admitted into that slot resets it afterwards). One that does not fit the budget waits for a later window."""
+        """Snapshots of finished requests' prompt + completion (`finished`: the next chat turn starts with it): a free
+        slot restores the request's prompt snapshot and prefills just the completion, first in the window (a
+        newcomer admitted into that slot resets it afterwards). One that does not fit the budget waits for a later
+        window."""
         pending, self.extend = self.extend, []
         for ids, completion in pending:
             hit = self.prefix.lookup(ids, count=False)
@@ -176,6 +179,20 @@ class Admission:
             plan.admit.append(Admit(idle[0], ids, restore=hit.id, saves=((len(ids), snap),), emit=False))
             self._continue(Filling(idle[0], ids, len(hit.ids), {len(ids): snap}), plan, first=True)
         del self.extend[: -len(idle) or None]  # a bounded backlog: beyond one a slot, the oldest are given up
+
+    def finished(self, ids: tuple[int, ...], completion: int) -> None:
+        """A finished request's prompt + completion (`completion` tokens of it): remembered for the branch points,
+        and snapshotted ahead of a next turn (an extension, `_extensions`) from EXTEND_SHARE of a chunk on.
+
+        A piece costs a pass over the weights plus its tokens' arithmetic. An extension is such a pass for every
+        finished request, next turn or not (on the bf16 twin a quarter of all prefill time for 32 one-turn chats:
+        benchmarks/prefix.py (a)); what it saves the next turn is the arithmetic of the completion's tokens, which
+        that turn would otherwise prefill after the prompt's snapshot, in the piece it runs for its own tokens. On a
+        CPU a pass over the twin's weights costs about as much as 60-80 tokens' arithmetic: shorter completions are
+        left to the next turn."""
+        self.prefix.remember(ids)
+        if completion >= max(1, self.chunk // EXTEND_SHARE):
+            self.extend.append((ids, completion))
 
     def forget(self, f: Filling) -> None:
         """An aborted prompt's snapshots that its pieces never reached are no snapshots."""

@@ -219,9 +219,7 @@ class Engine:
                 self._release(slot)
                 event.finish_reason, event.completion = s.out.finish_reason, self._complete(slot, s, event)
                 if self.prefix is not None:
-                    ids = s.prompt.ids + tuple(s.out.tokens)
-                    self.admission.extend.append((ids, len(s.out.tokens)))
-                    self.prefix.remember(ids)
+                    self.admission.finished(s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens))
             if event.tokens or event.finished:
                 events.append(event)
         return events

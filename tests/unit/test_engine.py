@@ -350,6 +350,26 @@ def test_a_finished_requests_snapshot_is_extended_for_the_next_turn():
     assert done["r1"].completion.tokens == chain(other.ids, 30)
 
 
+def test_a_completion_shorter_than_an_eighth_of_a_chunk_is_prefilled_by_the_next_turn():
+    """No extension for a short completion (3 tokens < 32 / 8): the next turn restores the prompt's snapshot and
+    prefills the completion with its own new tokens, in one piece."""
+    index = PrefixIndex(device_bytes=10_000, host_bytes=0, every=64, nbytes=lambda n: n)
+    engine, runner = make(batch=2, chunk=32, prefix=index)
+    turn = prompt(0, 6, 3)
+    engine.add(turn)
+    drive(engine)
+    ids = turn.ids + tuple(chain(turn.ids, 3))
+    nxt = Prompt("r1", ids + (7, 8, 9), 3)
+    before = len(runner.windows)
+    engine.add(nxt)
+    done = finals(drive(engine))
+    w = runner.windows[before]
+    (admit,) = w.admit  # no extension beside it
+    assert runner.snapshots[admit.restore] == turn.ids
+    assert w.prefill[0] == (admit.slot, 6, 12, True)
+    assert done["r1"].completion.tokens == chain(nxt.ids, 3)
+
+
 def test_an_idle_engine_sends_heartbeats_and_the_shutdown():
     engine, runner = make()
     engine.add(prompt(0, 3, 2))
