@@ -185,11 +185,9 @@ class Admission:
         and snapshotted ahead of a next turn (an extension, `_extensions`) from EXTEND_SHARE of a chunk on.
 
         A piece costs a pass over the weights plus its tokens' arithmetic. An extension is such a pass for every
-        finished request, next turn or not (on the bf16 twin a quarter of all prefill time for 32 one-turn chats:
-        benchmarks/prefix.py (a)); what it saves the next turn is the arithmetic of the completion's tokens, which
-        that turn would otherwise prefill after the prompt's snapshot, in the piece it runs for its own tokens. On a
-        CPU a pass over the twin's weights costs about as much as 60-80 tokens' arithmetic: shorter completions are
-        left to the next turn."""
+        finished request, next turn or not; what it saves the next turn is only the arithmetic of the completion's
+        tokens, which that turn would otherwise prefill after the prompt's snapshot, in the piece it runs for its
+        own tokens. Below EXTEND_SHARE of a chunk that arithmetic is worth less than the pass (docs/prefix.md)."""
         self.prefix.remember(ids)
         if completion >= max(1, self.chunk // EXTEND_SHARE):
             self.extend.append((ids, completion))

@@ -59,6 +59,11 @@ def _save_at(admit: Admit, end: int) -> int | None:
     return next((snap for at, snap in admit.saves if at == end), None)
 
 
+def _emits(admit: Admit, end: int) -> bool:
+    """Whether a piece ending at `end` finishes `admit`'s prompt and its first token comes from its logits."""
+    return end == len(admit.ids) and admit.emit
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -163,6 +168,7 @@ class Runner:
         last logits) of the prompts it finished that emit a token."""
         _, start, end, _ = group[0]
         slots = [slot for slot, *_ in group]
+        snaps = [_save_at(self.filling[slot][0], end) for slot in slots]  # the snapshot each takes at `end`, if any
         if start == end:  # restored whole from a snapshot: its stored logits give the first token
             logits = torch.stack([self.restored.pop(slot) for slot in slots]).clone()  # the step may change them
         else:
@@ -176,14 +182,16 @@ class Runner:
                     wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
             # the LM head only where a token is emitted or a snapshot taken: a piece in the middle of a prompt
             # would read the whole head for logits nobody uses
-            logits = self.model.logits(h[:, -1]) if any(self._wants_logits(slot, end) for slot in slots) else None
+            ends = [_emits(self.filling[slot][0], end) for slot in slots]
+            needed = any(snap is not None for snap in snaps) or any(ends)
+            logits = self.model.logits(h[:, -1]) if needed else None
             del h
         done = []
-        for row, slot in enumerate(slots):
+        for row, (slot, snap) in enumerate(zip(slots, snaps, strict=True)):
             self.restored.pop(slot, None)
             admit = self.filling[slot][0]
             self.filling[slot][1] = end
-            if (snap := _save_at(admit, end)) is not None:
+            if snap is not None:
                 self.snapshots.save(snap, slot, end, logits[row])
             if end == len(admit.ids):
                 del self.filling[slot]
@@ -193,12 +201,6 @@ class Runner:
                 if admit.emit:
                     done.append((admit, logits[row]))
         return done
-
-    def _wants_logits(self, slot: int, end: int) -> bool:
-        """Whether the piece of `slot`'s prompt ending at `end` needs its last logits: a snapshot asked for there
-        keeps them, the prompt's end emits from them."""
-        admit = self.filling[slot][0]
-        return _save_at(admit, end) is not None or (end == len(admit.ids) and admit.emit)
 
     def _start(self, a: Admit) -> None:
         """Empty the slot, restore the request's snapshot, load its sampling settings (host-to-device writes, outside

@@ -17,11 +17,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "rank, stage",
-    slow_but(
-        [(r, s) for s in ("prefill", "decode") for r in (0, 1)],
-        keep=[(0, "prefill"), (1, "decode")],
-        ids=lambda p: f"{p[0]}-{p[1]}",
-    ),
+    slow_but([(r, s) for s in ("prefill", "decode") for r in (0, 1)], keep=[(0, "prefill"), (1, "decode")]),
 )
 def test_a_failure_after_the_load_is_every_ranks_line(monkeypatch, ckpt, tmp_path, stage, rank):
     rc, text, seen, left = run_watched(

@@ -59,9 +59,7 @@ def _streaming(server, count: int, max_tokens: int) -> tuple[list, list[threadin
 
 @pytest.mark.parametrize(
     "world, who",
-    slow_but(
-        [(1, "launcher"), (2, "launcher"), (2, "follower")], keep=[(2, "launcher")], ids=lambda p: f"{p[0]}-{p[1]}"
-    ),
+    slow_but([(1, "launcher"), (2, "launcher"), (2, "follower")], keep=[(2, "launcher")]),
 )
 def test_sigterm_drains_in_flight_requests_then_exits_143(serve_dir, tmp_path, world, who):
     """SIGTERM to the launcher, or to one follower alone (rank 0 then drains as if it had the signal too)."""
