@@ -29,8 +29,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def k3_cache(tmp_path_factory) -> Path:
-    """Twin checkpoints for the whole session ($K3DIST_TEST_CACHE keeps them between runs)."""
-    path = Path(os.environ.get("K3DIST_TEST_CACHE") or tmp_path_factory.mktemp("k3cache"))
+    """Twin checkpoints for the whole session ($K3DIST_TEST_CACHE keeps them between runs). Under pytest-xdist the
+    workers share one (each worker's temporary folder sits in the run's): the twin is written once, under a lock."""
+    run_tmp = tmp_path_factory.getbasetemp()
+    shared = run_tmp.parent / "k3cache" if os.environ.get("PYTEST_XDIST_WORKER") else run_tmp / "k3cache"
+    path = Path(os.environ.get("K3DIST_TEST_CACHE") or shared)
     os.environ["K3DIST_CACHE"] = str(path)
     return path
 

@@ -81,6 +81,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_143(serve_dir, tmp_path, w
     assert [line for line in server.lines if line.startswith("error:")] == ["error: interrupted"]
 
 
+@pytest.mark.timing  # three-second timeouts must hold through idling
 def test_world2_idles_past_its_timeouts_then_a_killed_rank_ends_everything(serve_dir, tmp_path):
     """dist.collective_timeout_s=3 and dist.timeout_s=3: 12 s of idling trips neither. Then rank 1 is killed while
     requests stream: every client gets an error, and every process ends, non-zero, within 10 s."""

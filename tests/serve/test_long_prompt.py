@@ -25,6 +25,7 @@ CHUNK = 512
 LONG = [(13 * i) % 480 + 7 for i in range(16 * CHUNK)]
 SHORT = [[5 + k, 9, 2 + k, 7, 3] for k in range(3)]
 STEPS = 64
+pytestmark = pytest.mark.timing  # its bounds are ratios of wall-clock times on this host
 
 
 @pytest.fixture(scope="module")

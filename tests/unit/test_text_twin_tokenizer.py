@@ -113,6 +113,7 @@ def test_same_bytes_every_time_and_in_another_process(kimi_twin, tmp_path):
     assert out.stdout.strip() == hashlib.sha256((path / "tiktoken.model").read_bytes()).hexdigest(), out.stderr
 
 
+@pytest.mark.timing
 def test_write_is_fast(kimi_twin):
     _, _, seconds = kimi_twin
     assert seconds < 1.5, f"writing 163,584 ranks took {seconds:.2f} s"
