@@ -4,7 +4,9 @@
 // independent chains, so the row streams at DRAM speed (50 GB/s). With more rows the widening, not the bytes, is the
 // cost, and torch's op is faster: kernels/quant.py sends it those. Sums are fp32; the scaled product is rounded once
 // to x's dtype, as torch's op rounds it.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -4,7 +4,9 @@
 // a time, each widened vector used for a group of activation rows, four FMA chains per row, fp32 sums); each output
 // is rounded once to x's dtype, as torch's GEMM rounds it. A row's result does not depend on how many rows came with
 // it.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

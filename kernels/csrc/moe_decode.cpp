@@ -4,7 +4,9 @@
 // and runs ~40 small ops per layer; this reads every weight byte once, in two parallel regions (gate/up rows, then
 // down rows). Roundings follow the reference: each GEMV output, SiLU and the SiLU x up product round to the compute
 // dtype; routing and the weighted sum are fp32.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -6,7 +6,9 @@
 // the current k-th value (almost every logit fails that one comparison). Ties keep the lower id, as argmax does.
 #include "vec.h"
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -13,7 +13,10 @@
 #define CPU_CAPABILITY DEFAULT
 #endif
 
-#include <ATen/ATen.h>
+// ATen's headers one by one, not <ATen/ATen.h>: that one declares every operator (a third of each file's build)
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -141,7 +141,7 @@ def test_plan_figures_of_the_real_48b_config():
     (w1,) = plan_all_ranks(cfg, None, 1, torch.bfloat16, 2**62)
     assert w1.tensors == 20_493 and w1.source_bytes == 2 * 49_122_681_728
     assert w1.replicated_bytes > 0 and w1.fits
-    for world in (2, 4, 8):
+    for world in (2, 8):  # (4 shows nothing that 2 and 8 do not)
         plans = plan_all_ranks(cfg, None, world, torch.bfloat16, 2**62)
         assert [p.rank for p in plans] == list(range(world))
         assert {p.replicated_bytes for p in plans} == {w1.replicated_bytes}
