@@ -12,9 +12,9 @@ bandwidth for every row of the batch, fp32 sums, one rounding) where they built,
 Prepacking: on CPUs with bf16 units torch's bf16 `F.linear` reads the weight at well under the memory bandwidth for one
 token; the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
 (BENCHMARKS.md). The packed copy replaces the plain one, so it costs memory only while it is made (the plan's
-`derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones. (Plain weights with
-the decode-rows op decode faster at 1-4 slots on a Xeon with AMX, but oneDNN then keeps a reordered copy of each
-weight a prefill GEMM reads, memory no plan term holds: BENCHMARKS.md, "Measurements behind the code".)
+`derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones. On a CPU with AMX
+a run of few slots keeps plain weights instead (`packs`): there the decode-rows op streams them faster than oneDNN
+reads its packed layout for a few rows, and oneDNN's prefill GEMMs read plain weights in place.
 
 A decode row through `linear_rows` gives the same values whatever rows come with it (batch invariance).
 """
@@ -34,6 +34,19 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
+
+
+PLAIN_SLOTS = 4  # the most decode rows for which plain weights and the decode-rows op beat packed ones on AMX
+
+
+def packs(dtype: torch.dtype, device: torch.device, batch: int, rows_op: bool) -> bool:
+    """Whether a run of `batch` slots packs its weights: where packing pays (`packable`), but not on a CPU with AMX
+    decoding at most PLAIN_SLOTS rows through the decode-rows op (`rows_op`). oneDNN's bf16 GEMM there runs on AMX
+    tiles, which are made for many rows: for a few it reads a packed weight well under the memory's rate, where the
+    op's AVX-512 bf16 dot products stream the plain one near it (BENCHMARKS.md, "Measurements behind the code").
+    Plain weights cost no memory beyond their own: oneDNN's prefill GEMMs read them in place."""
+    amx = device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return packable(dtype, device) and not (amx and rows_op and batch <= PLAIN_SLOTS)
 
 
 def widened(dtype: torch.dtype, device: torch.device) -> bool:

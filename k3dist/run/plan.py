@@ -20,7 +20,7 @@ from ..engine.sampling import ALL_MODES, SamplingMode
 from ..kernels.backend import expected, select
 from ..model.cache import cache_nbytes, cache_shapes
 from ..model.experts import experts_dense
-from ..model.linear import packable, widened
+from ..model.linear import packs, widened
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
 from ..weights.quant_plan import int8_terms
@@ -62,10 +62,10 @@ def plan_run(
     elif run == "load":  # no prompt is ever run
         longest = 1
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
-    pack = run != "load" and kind == "eager" and packable(dtype, device)
-    widen = run != "load" and widened(dtype, device)
     # the kernels the run selects (a what-if asks which it would, without building them)
     backend = expected(s.kernels.backend, device) if s.run.mode == "plan" else select(s.kernels.backend, device).name
+    pack = run != "load" and kind == "eager" and packs(dtype, device, g.batch, rows_op=backend == "cpu")
+    widen = run != "load" and widened(dtype, device)
     dense = experts_dense(cfg, g.batch, pack, moe_block=backend == "cpu")
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))

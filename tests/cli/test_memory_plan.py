@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from k3dist.engine.runtime_memory import HOST_ALLOWANCE
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import run_cli
 from tests.support.configs import small_config
@@ -63,9 +64,10 @@ def test_peak_stays_within_the_plan(model_dir, bare_rss, tmp_path, world, batch,
         report = json.dumps({"plan": plan, "used": used, "bare": bare_rss})
         assert used["peak_bytes"] - bare_rss <= plan["admitted"], report
         runtime, measured = plan["runtime_bytes"], used["runtime_peak_bytes"]
-        # the GEMM primitive caches' cap is an allowance, not an estimate: on a CPU whose oneDNN has no bf16 kernels
-        # (AVX2) nothing fills it, and at 16 tokens it is most of the term
-        allowance = result["runtime"]["kernels"]
+        # the GEMM primitive caches' cap and the host libraries' first-use allocations are allowances, not estimates:
+        # on a CPU whose oneDNN has no bf16 kernels (AVX2), or with plain weights (linear.packs), little fills them,
+        # and at 16 tokens they are most of the term
+        allowance = result["runtime"]["kernels"] + HOST_ALLOWANCE
         assert measured / 2 <= runtime and runtime - allowance <= 2 * measured, report
 
 
