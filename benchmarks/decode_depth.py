@@ -4,8 +4,8 @@
     python benchmarks/decode_depth.py --depths 64 32768 --steps 20 --profile    # plus torch.profiler per op
 
 Why in-process and not through launch.py: the question is what one step costs at depth L, not how long it takes to
-reach L. So the bf16 twin is bound once (world 1, the real model, packed weights and CPU ops as a run binds them),
-each slot's MLA latent rows up to L are filled with random rows (a decode step's cost does not depend on their
+reach L. So the bf16 twin is bound once (world 1, the real model, its weights and CPU ops as a run binds them), each
+slot's MLA latent rows up to L are filled with random rows (a decode step's cost does not depend on their
 values) and the positions set to L; then the engine's eager step runs with the row bound the engine would give it
 (engine.py's ROW_BUCKET). Prefilling 32k real tokens first would take a minute a depth and change nothing measured.
 
@@ -28,8 +28,9 @@ from k3dist.base.threads import configure_openmp  # noqa: E402
 configure_openmp()  # as launch.py: before torch loads libgomp
 
 
-def bind(batch: int, cap: int, backend: str):
-    """The twin bound as a world-1 CPU run binds it: its model, cache and eager step."""
+def bind(batch: int, cap: int, backend: str, pack: str):
+    """The twin bound as a world-1 CPU run binds it: its model, cache and eager step (`pack`: auto = as the run plan
+    decides for this batch, on or off = packed or plain weights where oneDNN has bf16 kernels)."""
     import torch
 
     from k3dist.base import dist
@@ -38,7 +39,7 @@ def bind(batch: int, cap: int, backend: str):
     from k3dist.kernels.backend import select
     from k3dist.model.build import build_model
     from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
-    from k3dist.model.linear import packable
+    from k3dist.model.linear import packable, packs
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
     from k3dist.weights.loader import load_weights
@@ -52,8 +53,11 @@ def bind(batch: int, cap: int, backend: str):
     store = load_weights(scan(model_dir, cfg), rt, dt, terms)
     cache = HybridCache(cfg, 1, batch, cap, dt, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
-    kernels, pack = select(backend, rt.device), packable(dt, rt.device)
-    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=pack)
+    kernels = select(backend, rt.device)
+    packed = packs(dt, rt.device, batch, rows_op=kernels.name == "cpu") if pack == "auto" else pack == "on"
+    packed = packed and packable(dt, rt.device)
+    print(f"  weights {'packed' if packed else 'plain'}", flush=True)
+    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=packed)
     return model, cache, DecodeStep(model, cache)
 
 
@@ -79,6 +83,9 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--backend", default="auto", help="kernels.backend: auto (the CPU ops) or torch")
+    ap.add_argument(
+        "--pack", choices=["auto", "on", "off"], default="auto", help="packed weights: as a run would, or not"
+    )
     ap.add_argument("--profile", action="store_true", help="also torch.profiler's self time per op name")
     ap.add_argument("--top", type=int, default=12, help="ops listed per depth with --profile")
     args = ap.parse_args()
@@ -89,7 +96,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     m = common.machine(str(args.threads))
-    model, cache, step = bind(args.batch, max(args.depths) + args.warm + args.steps + 64, args.backend)
+    model, cache, step = bind(args.batch, max(args.depths) + args.warm + args.steps + 64, args.backend, args.pack)
     print(common.header(m), flush=True)
     rows, profiles = [], {}
     with torch.inference_mode():

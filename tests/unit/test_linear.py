@@ -9,12 +9,15 @@ import torch.nn.functional as F
 from k3dist.kernels import cpu_ops
 from k3dist.model.linear import (
     DECODE_ROWS,
+    PLAIN_SLOTS,
     ROWS_OP_MAX,
     Linear,
     packable,
+    packs,
     widened,
     widened_linear,
 )
+from k3dist.weights.memory import proc_status
 
 
 def _pair(rows: int, out: int = 10, cols: int = 48, dtype=torch.bfloat16):
@@ -61,3 +64,28 @@ def test_widening_is_for_cpus_without_units_for_the_dtype():
     assert not widened(torch.float32, cpu)
     if torch.backends.mkldnn.is_available():
         assert widened(torch.bfloat16, cpu) == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_few_slots_on_an_amx_cpu_keep_plain_weights():
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    for batch in (1, PLAIN_SLOTS, PLAIN_SLOTS + 1, 16):
+        plain = amx and batch <= PLAIN_SLOTS
+        assert packs(bf16, cpu, batch, rows_op=True) == (packable(bf16, cpu) and not plain)
+        assert packs(bf16, cpu, batch, rows_op=False) == packable(bf16, cpu)  # no rows op: packing still pays
+    assert not packs(torch.float32, cpu, 1, rows_op=True)
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 kernels on this CPU")
+def test_a_prefill_gemm_reads_a_plain_weight_in_place():
+    """What lets a run keep plain weights: oneDNN's bf16 GEMM over many rows allocates its output, not a reordered
+    copy of the weight (64 MiB here; the output is 16 MiB)."""
+    w = torch.randn(32768, 1024).to(torch.bfloat16)
+    x = torch.randn(256, 1024).to(torch.bfloat16)
+    F.linear(x[:32], w)  # first use: the primitive and its scratchpad
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from the resident set
+    before = proc_status()["VmHWM"]
+    y = F.linear(x, w)
+    grown = proc_status()["VmHWM"] - before
+    assert grown < y.numel() * y.element_size() + 16 * 2**20, grown
