@@ -54,8 +54,11 @@ def bind(batch: int, cap: int, backend: str, pack: str):
     cache = HybridCache(cfg, 1, batch, cap, dt, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
     kernels = select(backend, rt.device)
-    packed = packs(dt, rt.device, batch, rows_op=kernels.name == "cpu") if pack == "auto" else pack == "on"
-    packed = packed and packable(dt, rt.device)
+    packed = {
+        "auto": packs(dt, rt.device, batch, rows_op=kernels.name == "cpu"),
+        "on": packable(dt, rt.device),
+        "off": False,
+    }[pack]
     print(f"  weights {'packed' if packed else 'plain'}", flush=True)
     model = build_model(cfg, store.tensors, comm, cache, kernels, pack=packed)
     return model, cache, DecodeStep(model, cache)

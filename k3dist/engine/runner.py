@@ -182,8 +182,8 @@ class Runner:
                     wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
             # the LM head only where a token is emitted or a snapshot taken: a piece in the middle of a prompt
             # would read the whole head for logits nobody uses
-            ends = [_emits(self.filling[slot][0], end) for slot in slots]
-            needed = any(snap is not None for snap in snaps) or any(ends)
+            emits = [_emits(self.filling[slot][0], end) for slot in slots]
+            needed = any(snap is not None for snap in snaps) or any(emits)
             logits = self.model.logits(h[:, -1]) if needed else None
             del h
         done = []

@@ -39,13 +39,18 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
 PLAIN_SLOTS = 4  # the most decode rows for which plain weights and the decode-rows op beat packed ones on AMX
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own probe; False on a torch without it)."""
+    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
 def packs(dtype: torch.dtype, device: torch.device, batch: int, rows_op: bool) -> bool:
     """Whether a run of `batch` slots packs its weights: where packing pays (`packable`), but not on a CPU with AMX
     decoding at most PLAIN_SLOTS rows through the decode-rows op (`rows_op`). oneDNN's bf16 GEMM there runs on AMX
     tiles, which are made for many rows: for a few it reads a packed weight well under the memory's rate, where the
     op's AVX-512 bf16 dot products stream the plain one near it (BENCHMARKS.md, "Measurements behind the code").
     Plain weights cost no memory beyond their own: oneDNN's prefill GEMMs read them in place."""
-    amx = device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    amx = device.type == "cpu" and has_amx()
     return packable(dtype, device) and not (amx and rows_op and batch <= PLAIN_SLOTS)
 
 

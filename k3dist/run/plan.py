@@ -64,9 +64,10 @@ def plan_run(
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     # the kernels the run selects (a what-if asks which it would, without building them)
     backend = expected(s.kernels.backend, device) if s.run.mode == "plan" else select(s.kernels.backend, device).name
-    pack = run != "load" and kind == "eager" and packs(dtype, device, g.batch, rows_op=backend == "cpu")
+    cpu_ops = backend == "cpu"  # the CPU ops: the decode-rows op and the one-op MoE block
+    pack = run != "load" and kind == "eager" and packs(dtype, device, g.batch, rows_op=cpu_ops)
     widen = run != "load" and widened(dtype, device)
-    dense = experts_dense(cfg, g.batch, pack, moe_block=backend == "cpu")
+    dense = experts_dense(cfg, g.batch, pack, moe_block=cpu_ops)
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
     host = s.prefix.host_bytes if device.type == "cpu" else 0

@@ -12,6 +12,7 @@ from k3dist.model.linear import (
     PLAIN_SLOTS,
     ROWS_OP_MAX,
     Linear,
+    has_amx,
     packable,
     packs,
     widened,
@@ -68,7 +69,7 @@ def test_widening_is_for_cpus_without_units_for_the_dtype():
 
 def test_few_slots_on_an_amx_cpu_keep_plain_weights():
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    amx = has_amx()
     for batch in (1, PLAIN_SLOTS, PLAIN_SLOTS + 1, 16):
         plain = amx and batch <= PLAIN_SLOTS
         assert packs(bf16, cpu, batch, rows_op=True) == (packable(bf16, cpu) and not plain)
