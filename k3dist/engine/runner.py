@@ -3,6 +3,11 @@
 each prompt's first token emitted after its last piece; a prompt that asks for its log-probabilities scored piece by
 piece, prompt_logprobs.py), then decode.
 
+The logits a window's prefill needs (each finished prompt's last position, each snapshot's) come from one pass of the
+LM head over all their rows, as a decode step's do, not one pass a prompt: at few rows the head is read at the
+memory's rate whatever the rows, and it is most of a small model's bytes. A snapshot taken in the window holds its
+logits once that pass ran; a prompt restoring it in the same window runs the pass first.
+
 The same records reach every rank in the same order (control.py), so every rank runs the same prefills and the same
 steps on its own shard and the collectives inside them pair up. Nothing here reads generated tokens: that is rank
 0's business (engine.py). Nothing is ever padded: a prompt only ever touches its own slot's state. A prompt whose
@@ -64,6 +69,16 @@ def _emits(admit: Admit, end: int) -> bool:
     return end == len(admit.ids) and admit.emit
 
 
+@dataclass
+class _Logits:
+    """One row of logits a window's prefill needs: from a restored snapshot (`value` at once), or the final hidden
+    state [D] of a piece's last position (`value` once the window's LM head pass ran: Runner._heads)."""
+
+    hidden: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    snap: int | None = None  # the snapshot taken with these logits
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -86,6 +101,7 @@ class Runner:
         self.stage = "prefill"  # what the rank is doing: prefill or decode (named in a failure)
         self.filling: dict[int, list] = {}  # slot -> [its Admit, prompt tokens in it]: prefills not yet done
         self.restored: dict[int, torch.Tensor] = {}  # slot -> logits of the snapshot it was restored from
+        self.heads: list[_Logits] = []  # rows waiting for the window's LM head pass
         self.scoring: dict[int, PromptScores] = {}  # slot -> its prompt's positions scored so far
         self.scores: dict[int, PromptScores] = {}  # rank 0: the prompts scored whole in the last window, by slot
         kda = {n: t for n, t in self.cache.tensors.items() if n.startswith(("conv.", "state."))}
@@ -135,8 +151,9 @@ class Runner:
                     if new:
                         self._start(next(admits))
                 done += self._piece(group)
+            self._heads()
             if done:
-                self._emit(done, window)
+                self._emit([(admit, logits.value) for admit, logits in done], window)
         _sync(self.device)
         self.timings.prefill_seconds += time.perf_counter() - start
 
@@ -152,6 +169,17 @@ class Runner:
         self.decode_step.gen.index_fill_(0, rows, 0)
         self.decode_step.emit(torch.stack([logits for _, logits in done]), rows, window.mode)
 
+    def _heads(self) -> None:
+        """The LM head over every row waiting for it, in one pass; the snapshots taken with them get their logits."""
+        if not self.heads:
+            return
+        logits = self.model.logits(torch.stack([row.hidden for row in self.heads]))
+        for row, value in zip(self.heads, logits, strict=True):
+            row.hidden, row.value = None, value
+            if row.snap is not None:
+                self.snapshots.set_logits(row.snap, value)
+        self.heads = []
+
     def _groups(self, pieces):
         """Consecutive pieces of the same token range, prefilled as one batch where that pays (CUDA)."""
         out = []
@@ -163,43 +191,47 @@ class Runner:
                 out.append([piece])
         return out
 
-    def _piece(self, group) -> list[tuple[Admit, torch.Tensor]]:
+    def _piece(self, group) -> list[tuple[Admit, _Logits]]:
         """Prefill tokens [start, end) of each slot's prompt; take the snapshots asked for at `end`. Returns (Admit,
-        last logits) of the prompts it finished that emit a token."""
+        last logits) of the prompts it finished that emit a token (logits from the window's LM head pass)."""
         _, start, end, _ = group[0]
         slots = [slot for slot, *_ in group]
         snaps = [_save_at(self.filling[slot][0], end) for slot in slots]  # the snapshot each takes at `end`, if any
         if start == end:  # restored whole from a snapshot: its stored logits give the first token
-            logits = torch.stack([self.restored.pop(slot) for slot in slots]).clone()  # the step may change them
+            rows = [_Logits(value=self.restored.pop(slot).clone()) for slot in slots]  # the step may change them
         else:
-            rows = torch.tensor(slots, device=self.device)
+            tokens = torch.tensor(slots, device=self.device)
             ids = torch.tensor([self.filling[slot][0].ids[start:end] for slot in slots], device=self.device)
-            h = self.model.prefill_hidden(ids, rows, start)
+            h = self.model.prefill_hidden(ids, tokens, start)
             for row, slot in enumerate(slots):  # positions up to a prompt's last but one score its next token
                 prompt, wanted = self.filling[slot][0].ids, self.scoring.get(slot)
                 if wanted is not None and (n := min(end, len(prompt) - 1) - start) > 0:
                     following = torch.tensor(prompt[start + 1 : start + 1 + n], device=self.device)
                     wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
-            # the LM head only where a token is emitted or a snapshot taken: a piece in the middle of a prompt
-            # would read the whole head for logits nobody uses
-            emits = [_emits(self.filling[slot][0], end) for slot in slots]
-            needed = any(snap is not None for snap in snaps) or any(emits)
-            logits = self.model.logits(h[:, -1]) if needed else None
+            # logits only where a token is emitted or a snapshot taken: a piece in the middle of a prompt would
+            # read the whole head for logits nobody uses
+            rows = [
+                _Logits(hidden=h[row, -1].clone()) if snap is not None or _emits(self.filling[slot][0], end) else None
+                for row, (slot, snap) in enumerate(zip(slots, snaps, strict=True))
+            ]
             del h
         done = []
-        for row, (slot, snap) in enumerate(zip(slots, snaps, strict=True)):
+        for slot, snap, logits in zip(slots, snaps, rows, strict=True):
             self.restored.pop(slot, None)
             admit = self.filling[slot][0]
             self.filling[slot][1] = end
+            if logits is not None and logits.value is None:
+                logits.snap = snap
+                self.heads.append(logits)
             if snap is not None:
-                self.snapshots.save(snap, slot, end, logits[row])
+                self.snapshots.save(snap, slot, end, logits.value)
             if end == len(admit.ids):
                 del self.filling[slot]
                 self.cache.positions[slot] = end
                 if (scored := self.scoring.pop(slot, None)) is not None and self.rank == 0:
                     self.scores[slot] = scored  # the other ranks took part in the gathers; only rank 0 answers
                 if admit.emit:
-                    done.append((admit, logits[row]))
+                    done.append((admit, logits))
         return done
 
     def _start(self, a: Admit) -> None:
@@ -217,6 +249,8 @@ class Runner:
         s.processors.load(a.slot, a.processing, a.ids)
         at = 0
         if a.restore is not None:
+            if any(row.snap == a.restore for row in self.heads):  # taken in this window: its logits first
+                self._heads()
             at, self.restored[a.slot] = self.snapshots.restore(a.restore, a.slot)
         self.filling[a.slot] = [a, at]
         if a.score is not None:

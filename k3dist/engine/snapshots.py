@@ -29,14 +29,19 @@ class SnapshotStore:
         self.snaps: dict[int, tuple[int, dict[str, Tensor], Tensor]] = {}  # id -> (length, tensors, logits)
         self.pin = cache.positions.device.type == "cuda"
 
-    def save(self, snap_id: int, slot: int, length: int, logits: Tensor) -> None:
-        """Copy slot `slot`'s state after `length` tokens (and its last logits [V_local]) into snapshot `snap_id`."""
+    def save(self, snap_id: int, slot: int, length: int, logits: Tensor | None) -> None:
+        """Copy slot `slot`'s state after `length` tokens (and its last logits [V_local]) into snapshot `snap_id`;
+        logits None: set_logits gives them before any restore."""
         tensors = {}
         for name, t in self.cache.tensors.items():
             if name.startswith(("conv.", "state.")):
                 tensors[name] = t[slot].clone()
             elif name.startswith("latent."):
                 tensors[name] = t[slot, :length].clone()
+        self.snaps[snap_id] = (length, tensors, None if logits is None else logits.detach().clone())
+
+    def set_logits(self, snap_id: int, logits: Tensor) -> None:
+        length, tensors, _ = self.snaps[snap_id]
         self.snaps[snap_id] = (length, tensors, logits.detach().clone())
 
     def restore(self, snap_id: int, slot: int) -> tuple[int, Tensor]:

@@ -114,20 +114,23 @@ QUESTIONS = [[400 + 7 * q + k for k in range(5)] for q in range(6)]  # six diffe
 def test_prompts_branching_inside_a_chunk_hit_the_branch_point(model_dir, world):
     """A 45-token document (the branch point is inside the chunk [40, 48); no grid point before 64) with different
     questions: the first request is a miss and snapshots only its end, the second learns the branch point and
-    snapshots it, every later one restores it. Then three prompts admitted in one window (as on CUDA) over another
-    document: the first snapshots their common prefix, the other two restore it at once. Every answer equals the
-    run without reuse (tokens; top-5 logits within 1e-5)."""
+    snapshots it, every later one restores it. Then four prompts admitted in one window (as on CUDA) over another
+    document: the first snapshots their common prefix, the other two restore it at once, and the fourth, the
+    document alone, takes its first token from that snapshot's logits (made by the window's one LM head pass before
+    the restore). Every answer equals the run without reuse (tokens; top-5 logits within 1e-5)."""
     doc = [(37 * i) % 480 + 5 for i in range(45)]
     other = [(11 * i) % 470 + 9 for i in range(41)]
-    turns = [[{"ids": doc + q}] for q in QUESTIONS[:4]] + [[{"ids": other + q} for q in QUESTIONS[3:]]]
-    reused, plain = both(model_dir, turns, world, batch=3, every=64, together=True)
+    turns = [[{"ids": doc + q}] for q in QUESTIONS[:4]] + [
+        [{"ids": other + q} for q in QUESTIONS[3:]] + [{"ids": other}]
+    ]
+    reused, plain = both(model_dir, turns, world, batch=4, every=64, together=True)
     for got, want in zip(reused, plain, strict=True):
         for g, w in zip(got["completions"], want["completions"], strict=True):
             assert g["tokens"] == w["tokens"]
             close(g["top"], w["top"])
     stats = [r["prefix"] for r in reused]
-    assert [s["hits"] for s in stats] == [0, 0, 1, 2, 4]
-    assert [s["tokens_reused"] for s in stats] == [0, 0, 45, 90, 90 + 41 + 41]
+    assert [s["hits"] for s in stats] == [0, 0, 1, 2, 5]
+    assert [s["tokens_reused"] for s in stats] == [0, 0, 45, 90, 90 + 3 * 41]
     assert [s["branches"] for s in stats] == [0, 1, 1, 1, 2]
     assert stats[0]["snapshots"] == 1  # a prompt sharing nothing with anything: its end, nothing more
     assert stats[1]["snapshots"] == 1 + 3  # then r1's prompt + completion, r2's branch point and its end
