@@ -119,13 +119,15 @@ def _prefill(
 
 def mla_decode_bytes(cfg: ModelConfig, world: int, batch: int, cap: int) -> int:
     """The CPU MLA decode op's buffers at `batch` slots of `cap` rows: scores [H, rows] fp32 (one block past the end),
-    each piece's max and sum per head, partial contexts [H, r] per piece, q_abs and q_pe per (slot, head)."""
+    each piece's max and sum per head, partial contexts [H, r] per piece, q_abs and q_pe per (slot, head) in fp32,
+    and in bf16 and bf16 pairs for the dot-product and tile kernels."""
     if not cfg.count(mixer="mla"):
         return 0
     H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
-    pad = lambda n: -(-n // 16) * 16  # noqa: E731  (the widest vector's float lanes)
+    pad = lambda n, lanes=16: -(-n // lanes) * lanes  # noqa: E731  (the widest vector's float lanes; 32 bf16)
     pieces = batch * min(MLA_PIECES, -(-max(cap, 1) // MLA_PIECE))  # a piece holds MLA_PIECE rows or more
-    return 4 * (H * (batch * cap + 32) + pieces * H * (2 + pad(r)) + batch * H * pad(r + dr))
+    q_bf16 = batch * H * pad(r + dr, 32) * (2 + 2)
+    return 4 * (H * (batch * cap + 32) + pieces * H * (2 + pad(r, 32)) + batch * H * pad(r + dr)) + q_bf16
 
 
 def runtime_memory(
