@@ -6,9 +6,8 @@
 //
 // Why it is laid out this way (docs/decode.md has the profile): at depth the op is all arithmetic over the rows,
 // 2 x heads x (r + dr) multiply-adds a row, so it must run at the vector units' rate on both threads whatever the
-// batch. Each sequence's rows are cut into pieces (up to 64 of 256 rows or more); a piece widens a few rows to fp32
-// once and uses them for every head (rows read twice per layer, not twice per head), in register-blocked vector
-// kernels (scores: 4 rows x 2 heads of dot products; context: 2 heads x 4 vectors of the latent). The softmax needs
+// batch. Each sequence's rows are cut into pieces (up to 64 of 256 rows or more); a piece reads a block of rows once
+// for every head (rows read twice per layer, not twice per head) in register-blocked kernels (below). The softmax needs
 // the whole row of scores before a probability is rounded, as torch's does, so the op runs in four passes: scores
 // and each piece's maxima; exp and each piece's sums; the context of each piece; the pieces' contexts summed,
 // rounded and taken through kv_b's value rows. Buffers are kept between calls (they only grow).
