@@ -200,9 +200,9 @@ class Runner:
         if start == end:  # restored whole from a snapshot: its stored logits give the first token
             rows = [_Logits(value=self.restored.pop(slot).clone()) for slot in slots]  # the step may change them
         else:
-            tokens = torch.tensor(slots, device=self.device)
+            slot_ids = torch.tensor(slots, device=self.device)
             ids = torch.tensor([self.filling[slot][0].ids[start:end] for slot in slots], device=self.device)
-            h = self.model.prefill_hidden(ids, tokens, start)
+            h = self.model.prefill_hidden(ids, slot_ids, start)
             for row, slot in enumerate(slots):  # positions up to a prompt's last but one score its next token
                 prompt, wanted = self.filling[slot][0].ids, self.scoring.get(slot)
                 if wanted is not None and (n := min(end, len(prompt) - 1) - start) > 0:
