@@ -12,8 +12,9 @@ Why: Kimi-Linear's point is long context (three layers in four keep a fixed-size
   which `admitted` does not count, taken off: benchmarks/common.py's bare_torch_rss);
 - llama.cpp (benchmarks/llama.py; skipped and said so without --llama-bench and --gguf): right after, on the same
   GGUF of the twin and threads, `llama-bench -p L -n 0` (TTFT = L / its prompt tok/s) and `llama-bench -p 0 -n N
-  -d L` (decode of N tokens after L). Its batch-4 decode at depth is not run: llama-batched-bench would prefill
-  4 x L tokens first.
+  -d L` (decode of N tokens after L); from --peer-one-prefill-from on (128k: each prefill takes minutes) one
+  `llama-batched-bench -npp L -ntg N -npl 1` run gives both from one prefill. Its batch-4 decode at depth is not
+  run: llama-batched-bench would prefill 4 x L tokens first.
 Ratios are paired within a repeat (the two ran back to back) and their median is reported: a shared host's speed
 drifts by tens of percent between minutes. --base (512) is the shallow decode every depth is compared with.
 
@@ -132,6 +133,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved k3dist / llama.cpp pairs per length")
     ap.add_argument("--long", type=int, default=32768, help="lengths from here on get --long-repeats")
     ap.add_argument("--long-repeats", type=int, default=1)
+    ap.add_argument("--peer-one-prefill-from", type=int, default=131072, help="llama.cpp: one run for both from here")
     ap.add_argument("--no-plan", action="store_true", help="skip the 48B what-if plan")
     ap.add_argument("--png", type=Path, default=common.RESULTS / "context.png")
     llama.add_args(ap)
@@ -160,9 +162,13 @@ def main() -> int:
             for b in args.batches:
                 if b == 1 or n <= args.batch_max_length:
                     k3.setdefault((n, b), []).append(k3_point(args, n, b, tmp / f"n{n}-b{b}-{rep}.json"))
-            if peer:
+            if peer and n >= args.peer_one_prefill_from:
+                d = llama.prompt_then_decode(args, n, args.new_tokens, cores)
+                t = d.get("ttft")
+            elif peer:
                 t = llama.prefill(args, [n], cores, 1)["ttft"].get(str(n))
                 d = llama.depth_decode(args, n, args.new_tokens, cores, 1)
+            if peer:
                 lt.setdefault(n, []).append(t)
                 ld.setdefault(n, []).append(d.get("tok_s"))
                 print(f"  llama.cpp {n} tokens: TTFT {t or float('nan'):.2f} s, decode {d}", flush=True)
@@ -224,6 +230,12 @@ def main() -> int:
         f"`llama-bench -m {args.gguf.name} -t {cores} -p L -n 0 -r 1` and `-p 0 -n {args.new_tokens} -d L -r 1` after "
         "each k3dist point; its batch-4 decode at depth is not run (llama-batched-bench would prefill 4 x L tokens)."
     )
+    if any(n >= args.peer_one_prefill_from for n in lengths):
+        how += (
+            f" From {args.peer_one_prefill_from} tokens on, one `llama-batched-bench -t {cores} -c L+{args.new_tokens} "
+            f"-npp L -ntg {args.new_tokens} -npl 1` run instead (TTFT = its T_PP, decode = its S_TG: one prefill, "
+            "not two)."
+        )
     notes.append(llama.peer_note(args, bool(peer), args.llama_bench, how))
     data |= {"k3dist": {f"{n}-{b}": rs for (n, b), rs in k3.items()}, "llama_ttft": lt, "llama_decode": ld}
     data["bare_rss"] = bare

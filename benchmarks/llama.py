@@ -8,7 +8,9 @@ they skip this peer and say so.
 
 Decode runs `llama-batched-bench -t T -c 4096 -npp P -ntg N -npl B...` (tok/s = S_TG, batch 8 aggregate), prefill
 `llama-bench -t T -p L... -n 0 -r R` (time to first token = L / its tok/s), decode at a depth
-`llama-bench -t T -p 0 -n N -d L -r R` (N tokens after L in the cache), all with k3dist's thread count.
+`llama-bench -t T -p 0 -n N -d L -r R` (N tokens after L in the cache), all with k3dist's thread count. Where one
+prefill takes many minutes (128k tokens), `llama-batched-bench -npp L -ntg N -npl 1` gives both from one prefill
+(`T_PP`, `S_TG`): the same batch sizes and attention settings as llama-bench's, so the same figures.
 """
 
 import json
@@ -111,3 +113,18 @@ def depth_decode(args, depth: int, new: int, threads: int, repeats: int) -> dict
     except Exception as exc:  # noqa: BLE001
         return {"error": common.short_error(exc)}
     return {"tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] == new)}
+
+
+def prompt_then_decode(args, length: int, new: int, threads: int) -> dict:
+    """{"ttft": seconds, "tok_s": decode tok/s of `new` tokens after it} from one llama-batched-bench run (one prefill
+    of `length`, where prefill() and depth_decode() take two), or {"skipped"/"error": why}."""
+    tool = batched_bench(args)
+    if why := missing(args, tool):
+        return {"skipped": why}
+    cmd = [tool, "-m", args.gguf, "-t", threads, "-c", length + new, "-npp", length, "-ntg", new, "-npl", 1]
+    cmd += ["--output-format", "jsonl", *args.llama_extra.split()]
+    try:
+        row = next(json.loads(x) for x in _run(cmd, args.timeout).splitlines() if x.startswith("{"))
+    except Exception as exc:  # noqa: BLE001
+        return {"error": common.short_error(exc)}
+    return {"ttft": row["t_pp"], "tok_s": row["speed_tg"]}
