@@ -93,19 +93,29 @@ inline void scores_block(const float* rows, int64_t row_s, const float* q, int64
     for (int c = 0; c < C; ++c) s[i * C + c] = hsum(acc[i][c]);
 }
 
-template <int R>
-inline void scores_rows(const float* rows, int64_t row_s, const float* q, int64_t q_s, int64_t K, int64_t H,
-                        float* s, int64_t s_s) {  // s [H][s_s]: R rows' scores at each head's s[h * s_s ..]
+// R rows' scores for H heads, C heads a call of `block(h, out)` (its out [R][C]) and the rest one at a time
+// (`one(h, out)`), stored head-major: s [H][s_s], each head's R scores at s[h * s_s ..]. Both kernel families share it.
+template <int R, int C, typename Block, typename One>
+inline void scores_by_heads(int64_t H, float* s, int64_t s_s, Block block, One one) {
+  float tmp[R * C];
   int64_t h = 0;
-  float tmp[R * 2];
-  for (; h + 2 <= H; h += 2) {
-    scores_block<R, 2>(rows, row_s, q + h * q_s, q_s, K, tmp);
-    for (int i = 0; i < R; ++i) s[h * s_s + i] = tmp[2 * i], s[(h + 1) * s_s + i] = tmp[2 * i + 1];
+  for (; h + C <= H; h += C) {
+    block(h, tmp);
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) s[(h + c) * s_s + i] = tmp[C * i + c];
   }
-  if (h < H) {
-    scores_block<R, 1>(rows, row_s, q + h * q_s, q_s, K, tmp);
+  for (; h < H; ++h) {
+    one(h, tmp);
     for (int i = 0; i < R; ++i) s[h * s_s + i] = tmp[i];
   }
+}
+
+template <int R>
+inline void scores_rows(const float* rows, int64_t row_s, const float* q, int64_t q_s, int64_t K, int64_t H,
+                        float* s, int64_t s_s) {
+  scores_by_heads<R, 2>(
+      H, s, s_s, [&](int64_t h, float* out) { scores_block<R, 2>(rows, row_s, q + h * q_s, q_s, K, out); },
+      [&](int64_t h, float* out) { scores_block<R, 1>(rows, row_s, q + h * q_s, q_s, K, out); });
 }
 
 // acc[c][0 .. V*W) += p[c][t] * rows[t][off ..] for every row t of a block of m rows, C heads, V vectors
@@ -175,18 +185,10 @@ inline void scores_bf(const Bf* rows, int64_t row_s, const Bf* q, int64_t q_s, i
 
 template <int R>
 inline void scores_rows_bf(const Bf* rows, int64_t row_s, const Bf* q, int64_t q_s, int64_t K, int64_t H, float* s,
-                           int64_t s_s) {  // s [H][s_s]: R rows' scores at each head's s[h * s_s ..]
-  int64_t h = 0;
-  float tmp[R * 4];
-  for (; h + 4 <= H; h += 4) {
-    scores_bf<R, 4>(rows, row_s, q + h * q_s, q_s, K, tmp);
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < 4; ++c) s[(h + c) * s_s + i] = tmp[4 * i + c];
-  }
-  for (; h < H; ++h) {
-    scores_bf<R, 1>(rows, row_s, q + h * q_s, q_s, K, tmp);
-    for (int i = 0; i < R; ++i) s[h * s_s + i] = tmp[i];
-  }
+                           int64_t s_s) {
+  scores_by_heads<R, 4>(
+      H, s, s_s, [&](int64_t h, float* out) { scores_bf<R, 4>(rows, row_s, q + h * q_s, q_s, K, out); },
+      [&](int64_t h, float* out) { scores_bf<R, 1>(rows, row_s, q + h * q_s, q_s, K, out); });
 }
 
 // rows t and t + 1 (t + 1 < m, else zeros) interleaved: pair j of `out` holds n / 16 registers of 16 (row t, row
@@ -405,6 +407,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
   const bool dots = q.scalar_type() == at::kBFloat16;  // the dot-product kernels: bf16 rows, never widened
   const int64_t Kq = pad_bf(K), rc = dots ? pad_bf(r) : rp;  // q's and a context's values (padded)
 #else
+  const bool dots = false;
   const int64_t Kq = Kp, rc = rp;
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -458,7 +461,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
 
     // pass 1: scores [H][rows] of each piece, rounded as torch's, and the piece's maximum per head
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> rows(SUB * Kp), s(SUB * H);
+      std::vector<float> rows(dots ? 0 : SUB * Kp), s(SUB * H);  // rows: the widened kernels' (bf16 rows never are)
       const Vec vscale(fscale);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       float tile_s[TILE_ROWS * 16];
@@ -545,7 +548,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
 
     // pass 3: each piece's context [H][rc], with the probabilities rounded as torch's
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> rows(SUB * rp), p(H * SUB), sums(H);
+      std::vector<float> rows(dots ? 0 : SUB * rp), p(H * SUB), sums(H);
 #if defined(__AVX512BF16__)
       const int64_t per_pair = rc / 16;
       std::vector<__m512i> pairs(dots ? SUB / 2 * per_pair : 0);  // zeros: a tile reads all 16 pairs
