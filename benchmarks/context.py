@@ -162,13 +162,13 @@ def main() -> int:
             for b in args.batches:
                 if b == 1 or n <= args.batch_max_length:
                     k3.setdefault((n, b), []).append(k3_point(args, n, b, tmp / f"n{n}-b{b}-{rep}.json"))
-            if peer and n >= args.peer_one_prefill_from:
-                d = llama.prompt_then_decode(args, n, args.new_tokens, cores)
-                t = d.get("ttft")
-            elif peer:
-                t = llama.prefill(args, [n], cores, 1)["ttft"].get(str(n))
-                d = llama.depth_decode(args, n, args.new_tokens, cores, 1)
             if peer:
+                if n >= args.peer_one_prefill_from:
+                    d = llama.prompt_then_decode(args, n, args.new_tokens, cores)
+                    t = d.get("ttft")
+                else:
+                    t = llama.prefill(args, [n], cores, 1)["ttft"].get(str(n))
+                    d = llama.depth_decode(args, n, args.new_tokens, cores, 1)
                 lt.setdefault(n, []).append(t)
                 ld.setdefault(n, []).append(d.get("tok_s"))
                 print(f"  llama.cpp {n} tokens: TTFT {t or float('nan'):.2f} s, decode {d}", flush=True)

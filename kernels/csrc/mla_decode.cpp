@@ -420,7 +420,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
   float* sc = Buffers::at_least(buf.scores, H * total + SUB);   // [H][total]: scores, then exp (+ a block read past)
   float* stat = Buffers::at_least(buf.stat, 2 * P * H);         // per piece and head: its max, then its sum
   float* ctx = Buffers::at_least(buf.ctx, P * H * rc);          // per piece: [H][rc] partial contexts
-  c10::BFloat16* qbf = Buffers::at_least(buf.qb, B * H * Kq);   // (the dot-product kernels) qc in bf16, zero past K
+  c10::BFloat16* qbf = Buffers::at_least(buf.qb, dots ? B * H * Kq : 1);  // (the dot-product kernels) qc in bf16, zero past K
   uint32_t* qpairs = Buffers::at_least(buf.qp, tiles ? B * H * Kq / 2 : 1);  // (the tiles) qbf in B tiles
   const float fscale = static_cast<float>(scale);
 
@@ -451,7 +451,8 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
         }
         k3::round_to<T>(out_q, r);
         for (int64_t i = 0; i < dr; ++i) out_q[r + i] = static_cast<float>(qh[dn + i]);
-        for (int64_t i = 0; i < Kq; ++i) qbf[task * Kq + i] = static_cast<c10::BFloat16>(i < K ? out_q[i] : 0.f);
+        if (dots)
+          for (int64_t i = 0; i < Kq; ++i) qbf[task * Kq + i] = static_cast<c10::BFloat16>(i < K ? out_q[i] : 0.f);
       }
     });
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
