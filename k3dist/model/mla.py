@@ -2,7 +2,8 @@
 
 One fused projection gives q and the latent input. Prefill expands the latent through kv_b_proj and runs causal
 attention; decode writes each slot's row at its own position and attends in the absorbed form (q folded through
-kv_b_proj's key rows, the latent context through its value rows), so the cache is never expanded.
+kv_b_proj's key rows, the latent context through its value rows), so the cache is never expanded. On the CPU a short
+piece after a past (a chat turn's rest) attends in the absorbed form too.
 """
 
 import torch
@@ -14,6 +15,7 @@ from .layers import Binding, rmsnorm
 
 LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (HF remote code, transformers), not rms_norm_eps
 KEY_BLOCK = 1024  # CPU prefill expands the cached latent this many positions at a time
+ABSORBED_ROWS = 48  # a piece of at most this many tokens after a past attends as decode does (MLA._absorbed)
 
 
 class MLA:
@@ -66,18 +68,37 @@ class MLA:
         """x: [n, T, D] normed, continuing slots `slots` [n] at position `start`. Returns [n, T, D] fp32.
 
         On the CPU the past is expanded KEY_BLOCK positions at a time and merged by log-sum-exp, so memory and GEMM
-        shapes do not grow with the prompt; on CUDA one fused attention reads every expanded key.
+        shapes do not grow with the prompt; on CUDA one fused attention reads every expanded key. A short piece after
+        a past (a chat turn's rest after its restored history) skips the expansion where the CPU ops are built.
         """
         n, T, _ = x.shape
         q, row = self._project(x)
         at = torch.arange(start, start + T, device=x.device)
         self.latent[slots[:, None], at[None, :]] = row.to(self.latent.dtype)
-        if x.device.type == "cpu" and start:
+        if start and T <= ABSORBED_ROWS and self.kernels.mla_absorbed is not None:
+            o = self._absorbed(q, slots, start, T)
+        elif x.device.type == "cpu" and start:
             o = attend_blocks(q.transpose(1, 2), self._blocks(slots, start, T), self.scale).transpose(1, 2)
         else:
             k, v = self._keys(self.latent[slots, : start + T])
             o = mla_prefill(q, k, v, self.scale, past=start)
         return self.comm.all_reduce(self.o_proj(o.reshape(n, T, -1)).float())
+
+    def _absorbed(self, q: Tensor, slots: Tensor, start: int, T: int) -> Tensor:
+        """q [n, T, H, dn + dr] -> [n, T, H * dv]: each of the piece's T tokens as one decode query (the CPU op) over
+        its slot's rows up to its own. Expanding every past row through kv_b costs the same for 1 token as for 500,
+        while this costs per token, so it pays for pieces up to ABSORBED_ROWS (about where the two cross on a Xeon
+        with AMX, after 4k and after 32k rows: docs/decode.md). The rows are read in place: one slot's, repeated T
+        times by a stride of 0."""
+        lengths = torch.arange(start + 1, start + T + 1, device=q.device)
+        rows = self.latent[:, : start + T]
+        attend = self.kernels.mla_absorbed
+        return torch.stack(
+            [
+                attend(q[i].contiguous(), rows[slot].expand(T, -1, -1), lengths, self.w_kb, self.w_vb, self.scale)
+                for i, slot in enumerate(slots.tolist())
+            ]
+        )
 
     def _blocks(self, slots: Tensor, start: int, T: int):
         """(keys, values, causal) head-major, block by block: the past in KEY_BLOCK pieces, then the chunk itself."""
