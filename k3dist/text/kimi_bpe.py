@@ -33,7 +33,9 @@ PATTERN = "|".join(
 SPECIAL_BLOCK = 256  # ids right after the base vocabulary reserved for special tokens
 MAX_PIECE_CHARS = 400_000  # tiktoken is handed at most this many characters at once ...
 MAX_RUN_CHARS = 25_000  # ... and no run of whitespace or non-whitespace longer than this (it panics otherwise)
-_RUNS = re.compile(r"\s+|\S+")  # Python's \s is exactly str.isspace
+# The runs of whitespace or non-whitespace longer than MAX_RUN_CHARS, scanned in C. The lookbehinds let a match start
+# only where a run does, so each run is read once (linear in the text, however long its runs). \s is str.isspace.
+_LONG_RUNS = re.compile(rf"(?<!\s)\s{{{MAX_RUN_CHARS + 1},}}|(?<!\S)\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def reserved_name(token_id: int) -> str:
@@ -99,7 +101,7 @@ def pieces(text: str) -> Iterator[str]:
     for start in range(0, len(text), MAX_PIECE_CHARS):
         chunk = text[start : start + MAX_PIECE_CHARS]
         cut = 0
-        for run in _RUNS.finditer(chunk):
+        for run in _LONG_RUNS.finditer(chunk):
             for end in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):
                 yield chunk[cut:end]
                 cut = end
