@@ -167,12 +167,12 @@ class Engine:
         record |= dict(drop=tuple(plan.moves.drop), demote=tuple(plan.moves.demote)) | self.masks.window()
         if not self.live:
             return Window(**record)
-        emitted = any(f.prompt is not None for f in plan.filled)
+        new = {f.slot for f in plan.filled if f.prompt is not None}
         steps = min(self.sync_every, *(s.prompt.max_new_tokens - s.produced for s in self.live.values()))
-        if emitted or self.admission.filling is not None or self.masks:  # one step: new first tokens are out at once,
+        if new or self.admission.filling is not None or self.masks:  # one step: new first tokens are out at once,
             steps = min(steps, 1)  # a prompt prefilled over several windows gets a piece after every step, masks fresh
-        if constrained:  # a new constrained slot's second token needs its first one read (grammar.py)
-            steps = 0
+        if constrained or new.issuperset(self.live):  # with no other slot live a step would only hold the new first
+            steps = 0  # tokens back; a new constrained slot's second token needs its first one read (grammar.py)
         rows = active = None
         if self.decode_step.kind == "eager":  # no slot of interest gets past this row or this slot in the window
             last = max(len(s.prompt.ids) + s.produced for s in self.live.values()) + steps

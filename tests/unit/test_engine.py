@@ -297,11 +297,13 @@ def test_a_window_runs_no_more_steps_than_the_nearest_budget():
         for e in windows[-1]:
             if e.finished:
                 at_end[e.id] = runner.decode_step.gen[slots[e.id]]
-    assert [w.steps for w in runner.windows] == [1, 1, 7, 8, 2]  # min(sync_every, the nearest budget)
+    # the first window only prefills (no other slot is live: its first tokens go out at once), then each window runs
+    # min(sync_every, the nearest budget)
+    assert [w.steps for w in runner.windows] == [0, 2, 7, 8, 2]
     assert at_end == {p.id: p.max_new_tokens for p in prompts}  # no slot stepped past its budget
     done = finals(windows)
     assert all(done[p.id].completion.tokens == chain(p.ids, p.max_new_tokens) for p in prompts)
-    assert runner.timings.decode_tokens == 3 * 1 + 3 * 1 + 2 * 7 + 8 + 2  # live slots x steps
+    assert runner.timings.decode_tokens == 3 * 2 + 2 * 7 + 8 + 2  # live slots x steps
 
 
 def test_eos_and_stop_ids_end_a_sequence_inside_a_window_and_ignore_eos_runs_on():
