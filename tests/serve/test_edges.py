@@ -86,7 +86,9 @@ def test_an_ipv6_address_is_bracketed_in_the_ready_line(serve_dir, tmp_path):
     server = Server(tmp_path, f"model.path={serve_dir}", "serve.host=::1", "cache.cap=64", "prefix.enabled=off")
     try:
         assert server.url.startswith("http://[::1]:"), server.url
-        reply = server.client().completions.create(model=server.model, prompt=[5, 6], max_tokens=2)
+        reply = server.client().completions.create(
+            model=server.model, prompt=[5, 6], max_tokens=2, extra_body={"ignore_eos": True}
+        )
         assert reply.usage.completion_tokens == 2
     finally:
         server.stop()
