@@ -362,7 +362,7 @@ def main() -> int:
         tables.append("Spread over the repeats\n\n" + common.md_table(head_s, spreads))
     how = (
         f"`llama-batched-bench -t {cores} -c 4096 -npp {args.prompt_len} -ntg {args.max_new_tokens} -npl B` right "
-        f"after each world-1 k3dist point ({args.gguf.name} beside model.quant=none, "
+        f"after each world-1 k3dist point ({args.gguf.name if args.gguf else '-'} beside model.quant=none, "
         f"{args.gguf_q8.name if args.gguf_q8 else '-'} beside int8); `tok/s / llama.cpp` the median of the paired "
         "ratios, `per repeat` each one."
     )

@@ -13,6 +13,9 @@ KDA (32 / tp heads of d = 128, conv width 4, bf16, fp32 state):
 MLA (absorbed decode, 32 / tp heads, r = 512, dr = 64, bf16, every sequence at full length L):
 - ours: `mla_triton.mla_decode` (split-L flash decoding + a combine kernel); torch: `mla.mla_decode`.
 
+`--device cpu` rehearses the script (gpu_check.sh's dry run): the same code at toy shapes, the Triton kernels under
+Triton's interpreter, timed eagerly; its figures mean nothing.
+
 Timing: every implementation is captured in a CUDA graph (what the runtime replays) as a chain of calls that rotates
 over enough copies of its inputs to overflow the 50 MB L2, so states and caches come from HBM as in a real step;
 the graph is replayed and µs/call = elapsed / calls. An implementation that cannot be captured is timed eagerly
@@ -23,6 +26,7 @@ with --json, everything to that file. On a machine without CUDA it prints a note
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -47,9 +51,20 @@ def n_copies(bytes_per_call: int) -> int:
     return max(1, min(256, math.ceil(2 * L2_BYTES / max(bytes_per_call, 1))))
 
 
+def toy_shapes() -> None:
+    """The shapes of a CPU rehearsal (the interpreter runs every program in Python)."""
+    global KDA_HEADS, KDA_D, MLA_HEADS, MLA_R, MLA_DR
+    KDA_HEADS, KDA_D, MLA_HEADS, MLA_R, MLA_DR = 4, 16, 4, 32, 16
+
+
 def bench(calls: list, target_s: float = 0.05) -> tuple[float, str]:
     """µs per call and how it was timed ("graph" or "eager"); calls: zero-argument callables, one per input copy."""
     copies = len(calls)
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        for fn in calls[:2]:
+            fn()
+        return (time.perf_counter() - start) * 1e6 / min(2, copies), "eager"
     for fn in calls[:2]:  # compile and warm up
         fn()
     torch.cuda.synchronize()
@@ -186,7 +201,8 @@ def _done(row: dict, moved: int, what: str, other: str) -> dict:
     """Our bandwidth from the bytes one call moves, a progress line, and the point's memory handed back."""
     row["ours_GBps"] = moved / row["ours_us"] / 1e3
     print(f"{what}: ours {row['ours_us']:.1f} µs, {other}")
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -265,7 +281,7 @@ def tables(kda: list[dict], mla: list[dict]) -> str:
         ]
         for r in mla
     ]
-    out += "\n\nMLA absorbed decode, r = 512, dr = 64, full-length caches (ours vs the torch reference)\n\n"
+    out += f"\n\nMLA absorbed decode, r = {MLA_R}, dr = {MLA_DR}, full-length caches (ours vs the torch reference)\n\n"
     return out + md_table(head, body)
 
 
@@ -275,8 +291,14 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 8], help="tensor-parallel degrees (heads = 32 / tp)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768], help="MLA cache lengths")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a rehearsal at toy shapes")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
+        toy_shapes()
+    elif not torch.cuda.is_available():
         print("benchmarks/kda_kernel.py needs a CUDA GPU: nothing to time on this machine")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -292,13 +314,13 @@ def main() -> int:
     except Exception:  # noqa: BLE001
         fla_version = None
     env = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton's interpreter, toy shapes)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "fla": fla_version or "not installed",
         "python": platform.python_version(),
     }
-    m = machine("-", "cuda")
+    m = machine("-", DEVICE)
     print(header(m))
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -152,7 +152,7 @@ def payload(args, model: str | None, prompt: str) -> dict:
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     """One streamed request: TTFT, the gaps between text chunks, e2e, output tokens, finish reason, or its error."""
-    out = {"ttft": None, "itl": [], "chunks": 0, "tokens": None, "prompt_tokens": None, "finish": None}
+    out = {"ttft": None, "itl": [], "chunks": 0, "tokens": None, "prompt_tokens": None, "finish": None, "text": ""}
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -175,7 +175,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                         out["ttft"] = now - start
                     else:
                         out["itl"].append(now - last)
-                    last, out["chunks"] = now, out["chunks"] + 1
+                    last, out["chunks"], out["text"] = now, out["chunks"] + 1, out["text"] + text
                 out["finish"] = choice.get("finish_reason") or out["finish"]
                 if usage := chunk.get("usage"):
                     out["tokens"], out["prompt_tokens"] = usage["completion_tokens"], usage["prompt_tokens"]

@@ -6,6 +6,7 @@ The job crosses process boundaries as a plain dict (spawned ranks); `parse` chec
 turns a bad one into one `error:` line naming the key, and resolves the null defaults that depend only on settings.
 """
 
+import importlib.util
 import os
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
@@ -73,6 +74,22 @@ def _every(value, job) -> int | None:
     if every is not None and isinstance(chunk, int) and chunk > 0 and every % chunk:
         raise ValueError(f"must be a multiple of generate.prefill_chunk={chunk}, so snapshots fall on chunk ends")
     return every
+
+
+def _kv_events(value, job) -> str | None:
+    """A ZMQ endpoint, with prefix reuse on and the events extra there (serve/kv_events.py publishes on it)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://")):
+        raise ValueError(
+            "must be null or a ZMQ endpoint: tcp://*:5557 (bound), tcp://HOST:PORT (connected), ipc://PATH"
+        )
+    if (job.get("prefix") or {}).get("enabled") in ("off", False):
+        raise ValueError("publishes prefix snapshots, and prefix.enabled is off")
+    missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"needs the events extra (pip install 'k3dist[events]'): no {', '.join(missing)}")
+    return value
 
 
 ON_OFF = Choice("auto", "on", "off")
@@ -254,6 +271,30 @@ class ServeSettings:
     max_waiting: int = key(256, Int(0), "requests queued beyond the slots; more get 503 with Retry-After")
     max_body: int = key(4 * 2**20, Size(null=0), "largest request body; more gets 413")
     drain_s: float = key(10.0, Number(), "on SIGTERM / Ctrl-C: how long in-flight requests may still run")
+    unknown_fields: str = key(
+        "refuse",
+        Choice("refuse", "ignore"),
+        "a request field no route declares: `refuse` (a 400 naming it, as OpenAI's API), `ignore` (dropped, its name "
+        "logged once: a gateway that adds fields of its own)",
+    )
+    store_responses: int = key(
+        1024,
+        Int(0),
+        "the Responses API's stored responses (`store`, `previous_response_id`) kept on rank 0, the oldest evicted "
+        "first; 0: none is (`store: true` is refused)",
+    )
+    store_bytes: int = key(
+        64 * 2**20,
+        Size(null=0),
+        "the bytes stored responses may hold (each its JSON and 512 bytes), the oldest evicted first; counted in rank "
+        "0's memory plan (runtime `stored`)",
+    )
+    kv_events: str | None = key(
+        None,
+        _kv_events,
+        "a ZMQ endpoint where rank 0 publishes KV-cache events in vLLM's schema, blocks of `prefix.every` tokens "
+        "(docs/serving.md); null: none",
+    )
 
 
 @dataclass(frozen=True)

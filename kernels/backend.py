@@ -1,9 +1,11 @@
 """The kernel backend, chosen once when the model is built (`kernels.backend=auto|torch|cpu|triton`).
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
-ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, a one-row
-int8 GEMV, decode rows' GEMV and the logits' top-k with their log-sum-exp for the CPU.
-`auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports, else the references. The model
+ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, the routed
+experts for any token count (dense or MXFP4-packed weights), a one-row int8 GEMV, decode rows' GEMV and the logits'
+top-k with their log-sum-exp for the CPU.
+`auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports (Triton: a version the kernels
+ran on, compat.TRITON_MINIMUM), else the references. The model
 receives a `Kernels` the way it receives its `TPComm`, and never asks again.
 """
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3dist.base import compat
 from k3dist.base.errors import K3Error
 from k3dist.kernels import kda_fused, mla
 
@@ -27,6 +30,8 @@ class Kernels:
     topk_lse: Callable | None = None  # cpu_ops.topk_lse's; None: torch's top-k and log-sum-exp (model/tp.py)
     mla_absorbed: Callable | None = None  # cpu_ops.mla_absorbed's; None: bmm's around mla_decode (model/mla.py)
     linear_rows: Callable | None = None  # cpu_ops.linear_rows' (decode rows); None: F.linear (model/linear.py)
+    # cpu_ops.moe_experts' (moe_triton.moe_experts'): routed experts, dense or packed; None: kernels/moe.py's paths
+    moe_experts: Callable | None = None
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -47,13 +52,14 @@ def _cpu() -> Kernels | None:
         topk_lse=cpu_ops.topk_lse,
         mla_absorbed=cpu_ops.mla_absorbed,
         linear_rows=cpu_ops.linear_rows,
+        moe_experts=cpu_ops.moe_experts,
     )
 
 
 def _triton() -> Kernels:
-    from k3dist.kernels import kda_triton, mla_triton
+    from k3dist.kernels import kda_triton, mla_triton, moe_triton
 
-    return Kernels("triton", kda_triton.kda_decode_fused, mla_triton.mla_decode)
+    return Kernels("triton", kda_triton.kda_decode_fused, mla_triton.mla_decode, moe_experts=moe_triton.moe_experts)
 
 
 def expected(backend: str, device: torch.device) -> str:
@@ -66,7 +72,7 @@ def expected(backend: str, device: torch.device) -> str:
     if backend in ("torch", "cpu", "triton"):
         return backend
     if device.type == "cuda":
-        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+        return "triton" if compat.triton_usable() and importlib.util.find_spec("triton") is not None else "torch"
     return "cpu" if cpu_ops.buildable() else "torch"
 
 
@@ -84,6 +90,11 @@ def select(backend: str, device: torch.device) -> Kernels:
 
             raise K3Error(f"kernels.backend=cpu: the CPU kernels do not build here ({cpu_ops.build_error()})")
         return cpu or TORCH
+    if not compat.triton_usable():
+        if backend == "auto":
+            return TORCH
+        found = compat.triton_version() or "none"
+        raise K3Error(f"kernels.backend=triton needs Triton >= {compat.TRITON_MINIMUM} (installed: {found})")
     try:
         return _triton()
     except ImportError as exc:

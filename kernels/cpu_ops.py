@@ -16,12 +16,22 @@ from pathlib import Path
 
 import torch
 
+from .activation import SILU, Activation
 from .kda_fused import KDALayer
+from .mxfp4 import PackedExperts
 
 log = logging.getLogger("k3dist")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("kda_decode.cpp", "moe_decode.cpp", "int8_mm.cpp", "topk_lse.cpp", "mla_decode.cpp", "linear_rows.cpp")
+SOURCES = (
+    "kda_decode.cpp",
+    "moe_decode.cpp",
+    "moe_experts.cpp",
+    "int8_mm.cpp",
+    "topk_lse.cpp",
+    "mla_decode.cpp",
+    "linear_rows.cpp",
+)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
 
 
@@ -81,6 +91,7 @@ def _register_fakes() -> None:
         "kda_decode": _kda_fake,
         "kda_prefill": _kda_prefill_fake,
         "moe_decode": _moe_fake,
+        "moe_experts": _moe_fake,
         "int8_mm": _int8_fake,
         "topk_lse": _topk_lse_fake,
         "mla_decode": _mla_fake,
@@ -145,12 +156,62 @@ def kda_prefill(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDALayer):
 
 
 def moe_decode(
-    x, logits, *, bias, w13, w2, shared13, shared2, top_k: int, renormalize: bool, scale: float, biased: bool
+    x,
+    logits,
+    *,
+    bias,
+    w13,
+    w2,
+    shared13,
+    shared2,
+    top_k: int,
+    renormalize: bool,
+    scale: float,
+    biased: bool,
+    act: Activation = SILU,
 ):
     """A decode MoE block from the router logits [N, E] fp32 on: routing (one group), the chosen experts from the
-    stacked w13 [E, 2I, D] / w2 [E, D, I], plus the shared expert (gate_up [2Is, D], down [D, Is], or None).
-    Returns [N, D] fp32, as MoE._forward's experts + shared sum before the all-reduce."""
-    return torch.ops.k3dist.moe_decode(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased)
+    stacked w13 [E, 2I, D] / w2 [E, D, I], plus the shared expert (gate_up [2Is, D], down [D, Is], or None), all
+    with the activation `act`. Returns [N, D] fp32, as MoE._forward's experts + shared sum before the all-reduce."""
+    op = torch.ops.k3dist.moe_decode
+    return op(x, logits, bias, w13, w2, shared13, shared2, top_k, renormalize, scale, biased, *_act(act))
+
+
+def moe_experts(z, ids, weights, w13, w2, *, act: Activation = SILU):
+    """The routed experts for any number of tokens (decode rows, prefill): z [N, Z] in the compute dtype (fp32,
+    bf16, fp16), ids int64 and weights [N, k] (the router's choice, in top-k order), w13 [E, 2I, Z] (gate rows, then
+    up) and w2 [E, Z, I] either dense in z's dtype or MXFP4 (`PackedExperts`, read packed: never widened whole).
+    Returns [N, Z] fp32: per token, sum over its choices in order of weight * w2 act(w1 z, w3 z), each projection
+    rounded to z's dtype (kernels/moe.py's paths; moe_experts.cpp says how). Packed and dense stacks of the same
+    values give the same bits, and a token the same bits whatever tokens came with it."""
+    packed = isinstance(w13, PackedExperts)
+    if packed != isinstance(w2, PackedExperts):
+        raise ValueError("moe_experts: both projections packed (PackedExperts), or neither")
+    weight_args = (w13.packed, w13.scale, w2.packed, w2.scale) if packed else (w13, None, w2, None)
+    return torch.ops.k3dist.moe_experts(z, ids, weights.float(), *weight_args, *_act(act))
+
+
+def _act(act: Activation) -> tuple[int, float, float]:
+    return act.code, act.beta, act.linear_beta
+
+
+# moe_experts.cpp's buffers (its panel sizes at AVX-512's widths, the largest): PANEL_ROWS weight rows (phase 1: gate
+# and up; phase 2 half as many) by PANEL_INPUTS inputs, widened (fp32), transposed (fp32, or bf16 pairs), packed
+PANEL_ROWS, PANEL_INPUTS = 64, 256
+
+
+def moe_experts_scratch_bytes(tokens: int, top_k: int, latent: int, width: int, threads: int) -> int:
+    """The most moe_experts allocates for `tokens` tokens of `top_k` choices, latent width `latent` (Z), this
+    rank's expert width `width` (I), on `threads` threads, its fp32 result included: z in fp32, the pairs' sort,
+    the activations [pairs, I] fp32, and per thread the larger phase's panel buffers (phase 1: the accumulators of
+    one expert's tokens; phase 2: every pair's outputs for one block of rows). The plan counts it beside the packed
+    weight bytes."""
+    pairs = tokens * top_k
+    shared = tokens * latent * 4 * 2 + pairs * 8 * 2 + pairs * width * 4
+    panel = 3 * PANEL_ROWS * PANEL_INPUTS * 4
+    phase1 = panel + tokens * PANEL_ROWS * 4 + tokens * 8 * 2
+    phase2 = panel // 2 + pairs * PANEL_ROWS // 2 * 4 + tokens * 8 * 2
+    return shared + threads * max(phase1, phase2)
 
 
 def int8_mm(x, q, scales):

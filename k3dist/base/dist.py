@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .errors import K3Error
 
 log = logging.getLogger("k3dist")
@@ -362,7 +363,7 @@ def abort_on_peer_failure(rt: Runtime, end=None, interval_s: float = 0.1) -> Non
         if _published:  # this rank's own failure: it prints its line itself
             return False
         if rt.backend == "nccl":
-            dist.distributed_c10d._abort_process_group()
+            compat.abort_process_group()
         else:
             end(message)
         return True

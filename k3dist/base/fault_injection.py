@@ -22,7 +22,8 @@ class Faults:
     kill_at: int | None = None  # the rank SIGKILLs itself at the Nth tensor
     hang_at: int | None = None  # the rank stops responding at the Nth tensor
     delay_s: float | None = None  # the fault waits this long first, so peers already wait on the rank in the agreement
-    raise_in: str | None = None  # "prefill", "decode" (after the load) or "result" (rank 0 writing result.json)
+    raise_in: str | None = None  # "prefill", "decode" (after the load), "result" (rank 0 writing result.json) or
+    # "route" (rank 0's HTTP front, answering a request whose `user` is "raise": a fault of k3dist's own)
     read_fail_at: int | None = None  # a reader thread fails (EIO) reading the Nth tensor
     hold_at_file: int | None = None  # the rank waits delay_s before reading the Nth file (0-based, in upload order)
     free_drop: int | None = None  # the rank's free memory reads this many bytes lower during the upload ...
@@ -64,6 +65,11 @@ class Faults:
         if self.mine(rank) and self.free_drop and index >= (self.free_drop_at or 0):
             return max(0, free - self.free_drop)
         return free
+
+    def in_route(self, rank: int, user: str | None) -> None:
+        """Called by rank 0's HTTP front as it answers a request (`user`: the request's)."""
+        if self.mine(rank) and self.raise_in == "route" and user == "raise":
+            raise RuntimeError("injected failure in a route (fault.raise_in=route)")
 
     def after_load(self, rank: int, stage: str) -> None:
         """Called by the engine in each prefill and decode window, and by rank 0 before it writes result.json."""

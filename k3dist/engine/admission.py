@@ -131,9 +131,9 @@ class Admission:
             self.waiting.popleft()
             saves = self._reuse(p.ids, hit, points, branch, plan) if reuse else ()
             slot = free.pop(0)
-            sampling = (p.temperature, p.top_p, p.top_k, p.seed, hit.id if hit else None, saves)
             emit = p.max_new_tokens > 0  # else only scored: its slot is lent until its prefill is done
-            admit = Admit(slot, p.ids, *sampling, emit=emit, score=p.prompt_logprobs, processing=p.processing)
+            restore = hit.id if hit else None
+            admit = Admit(slot, p.ids, p.sampling, restore, saves, emit=emit, score=p.prompt_logprobs)
             plan.admit.append(admit)
             f = Filling(slot, p.ids, start, dict(saves), p)
             plan.started.append(f)

@@ -1,7 +1,7 @@
 """The control plane: rank 0 decides, every rank follows.
 
 Each window rank 0 sends every other rank one small record over the gloo control group: the requests admitted into
-slots (prompt ids, sampling settings and logit processors), the pieces of prompts to prefill, the slots whose
+slots (prompt ids and SamplingParams: sampling and logit processors), the pieces of prompts to prefill, the slots whose
 requests ended, how many decode steps to run, and at the end a shutdown; now and then a record asks every rank for
 the memory it holds (watch.py). A window with grammar-constrained slots sends their token bitmasks right after it,
 as one int32 tensor (a broadcast on the same group), never inside the record. Every rank applies the same records
@@ -21,28 +21,23 @@ from ..base import allocator
 from ..base.dist import Runtime
 from ..base.errors import K3Error
 from ..weights.memory import resident_bytes
-from .logits import Processing
-from .sampling import GREEDY, SamplingMode
+from .sampling import GREEDY, SamplingMode, SamplingParams
 
 log = logging.getLogger("k3dist")
 
 
 @dataclass(frozen=True)
 class Admit:
-    """A request taking a slot: its prompt and sampling settings (all a rank needs to prefill and sample it). Its
+    """A request taking a slot: its prompt and sampling (all a rank needs to prefill it and choose its tokens). Its
     prefill runs in pieces, in this window and maybe later ones (Window.prefill)."""
 
     slot: int
     ids: tuple[int, ...]
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    sampling: SamplingParams = SamplingParams()  # how its tokens are chosen (DecodeStep.load writes its slot)
     restore: int | None = None  # a prefix snapshot to start from: the prefill starts at its length
     saves: tuple[tuple[int, int], ...] = ()  # (position, snapshot id): prefix snapshots to take on the way
     emit: bool = True  # False: choose no token (snapshots of a finished request's prompt + completion, or a score)
     score: int | None = None  # prompt log-probabilities: the k best of every position gathered too (prompt_logprobs.py)
-    processing: Processing | None = None  # logit processors (logits.py); None: none
 
 
 @dataclass(frozen=True)
@@ -85,8 +80,8 @@ class Window:
 
 
 def _admit(raw: dict) -> Admit:
-    saves, processing = tuple(map(tuple, raw["saves"])), Processing.from_json(raw["processing"])
-    return Admit(**(raw | {"ids": tuple(raw["ids"]), "saves": saves, "processing": processing}))
+    saves, sampling = tuple(map(tuple, raw["saves"])), SamplingParams.from_json(raw["sampling"])
+    return Admit(**(raw | {"ids": tuple(raw["ids"]), "saves": saves, "sampling": sampling}))
 
 
 class Channel:

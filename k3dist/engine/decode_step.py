@@ -18,7 +18,7 @@ from ..base.errors import K3Error
 from ..model.cache import HybridCache
 from ..model.decoder import K3Model
 from .logits import PENALTIES, LogitProcessors
-from .sampling import ALL_MODES, GREEDY, SamplingMode, choose_tokens
+from .sampling import ALL_MODES, GREEDY, SamplingMode, SamplingParams, choose_tokens, slot_seed
 
 TOP = 5  # top logits kept per generated token (result.json's top_logits, top_logprobs)
 WIDEST = 20  # the most a request may ask for (OpenAI's and vLLM's limit); a server's output buffers are this wide
@@ -76,6 +76,15 @@ class DecodeStep:
         if self.kind != "graph" or not self._graphs:
             self.top = min(max(k, TOP), self.width)
 
+    def load(self, slot: int, sampling: SamplingParams, prompt: tuple[int, ...]) -> None:
+        """A request's sampling into its slot's tensors (host-to-device writes, outside any step): the one place a
+        SamplingParams field reaches the device. Any integer fits: a top_k past the vocabulary cuts nothing, a seed
+        is its low 64 bits."""
+        self.temperature[slot], self.top_p[slot] = sampling.temperature, sampling.top_p
+        self.top_k[slot] = min(sampling.top_k, self.model.cfg.vocab_size)
+        self.seed[slot] = slot_seed(sampling.seed)
+        self.processors.load(slot, sampling, prompt)
+
     def buffers(self) -> list[Tensor]:
         return [self.tokens, self.gen, self.out_tokens, self.top_ids, self.top_values, self.out_lse, self.out_logit]
 
@@ -130,6 +139,7 @@ class DecodeStep:
                     compiled()
                 self._runs[GREEDY] = compiled
             elif self.kind == "graph":
+                self._warm_prefill()
                 pool = torch.cuda.graph_pool_handle()  # the modes' graphs replay one at a time: one pool
                 graphs = {mode: self._capture(mode, pool) for mode in self.modes}
                 covering = {m: [c for c in self.modes if c.covers(m)] for m in ALL_MODES}
@@ -138,6 +148,12 @@ class DecodeStep:
                 raise K3Error(f"unknown decode capture {self.kind!r}")
         self.reset()
         self.warmup_seconds = time.perf_counter() - start
+
+    def _warm_prefill(self) -> None:
+        """A two-token prefill into slot 0 (emptied again with the rest): the prefill's libraries (cuBLAS, the KDA
+        chunked form's triangular solve, the attention kernels) make their handles and load their code here, once,
+        not inside the first request's time to first token. Every rank runs it, so its collectives pair up."""
+        self.model.prefill(torch.zeros(1, 2, dtype=torch.int64, device=self.slots.device), self.slots[:1], 0)
 
     def _capture(self, mode: SamplingMode, pool):
         self.top = self.width  # a graph replays its captured k whatever a window asks: the whole width

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from ..base.errors import K3Error
 from .admission import Admission
 from .control import Channel, Window
-from .decode_step import TOP
+from .decode_step import TOP, WIDEST
 from .grammar import Masks
 from .prefix import PrefixIndex
 from .runner import Runner
-from .sampling import SamplingMode
+from .sampling import BadValue, SamplingMode, SamplingParams
 from .sequences import Completion, Event, Prompt
 from .watch import MemoryWatch
 
@@ -86,8 +86,51 @@ class Engine:
         return bool(self.waiting or self.live or self.admission.filling or self.done)
 
     def add(self, prompt: Prompt) -> None:
-        """Queue a request; it takes a free slot when the prefill budget reaches it."""
-        self.waiting.append(prompt)
+        """Queue a request (checked again: `check`) behind the waiting ones of its priority or a lower value; it takes
+        a free slot when the prefill budget reaches it."""
+        self.check(prompt)
+        after = [i for i, p in enumerate(self.waiting) if p.priority > prompt.priority]
+        self.waiting.insert(after[0] if after else len(self.waiting), prompt)
+
+    def check(self, p: Prompt) -> None:
+        """The types and ranges of everything a window will read from `p`, a BadValue naming the field otherwise. A
+        front calls it on its own side before handing the prompt over (a server on its HTTP thread), so a slip in a
+        front is refused at its edge: nothing inside run_window may fail on a request's value."""
+        vocab, cap = self.runner.model.cfg.vocab_size, self.cache.cap
+
+        def ids(name: str, values, least: int = 0) -> None:
+            if not isinstance(values, tuple) or len(values) < least or any(type(t) is not int for t in values):
+                raise BadValue(name, f"must be a tuple of at least {least} token ids, got {values!r:.60}")
+            if values and not 0 <= min(values) <= max(values) < vocab:
+                raise BadValue(name, f"holds token ids outside the vocabulary (0..{vocab - 1})")
+
+        def flag(name: str, value) -> None:
+            if type(value) is not bool:
+                raise BadValue(name, f"must be true or false, got {value!r:.40}")
+
+        if not isinstance(p, Prompt) or not isinstance(p.id, str) or not p.id:
+            raise BadValue("id", f"a request is a Prompt with a non-empty id, got {p!r:.60}")
+        ids("ids", p.ids, least=1)
+        room = cap - len(p.ids)
+        if type(p.max_new_tokens) is not int or not 0 <= p.max_new_tokens <= room:
+            raise BadValue("max_new_tokens", f"must be an integer in 0..{room} (cache.cap={cap} less the prompt)")
+        if not isinstance(p.sampling, SamplingParams):
+            raise BadValue("sampling", f"must be a SamplingParams, got {type(p.sampling).__name__}")
+        ids("logit_bias", tuple(t for t, _ in p.sampling.logit_bias))
+        ids("held", p.sampling.held)
+        ids("stop_ids", p.stop_ids)
+        if not isinstance(p.stop, tuple) or not all(isinstance(s, str) and s for s in p.stop):
+            raise BadValue("stop", f"must be a tuple of non-empty strings, got {p.stop!r:.60}")
+        for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+            if k is not None and (type(k) is not int or not 0 <= k <= min(WIDEST, vocab)):
+                raise BadValue(name, f"must be null or an integer in 0..{min(WIDEST, vocab)}, got {k!r:.40}")
+        for name, value in (("ignore_eos", p.ignore_eos), ("skip_special", p.skip_special)):
+            flag(name, value)
+        flag("spaced_special", p.spaced_special)
+        if type(p.priority) is not int:
+            raise BadValue("priority", f"must be an integer, got {p.priority!r:.40}")
+        if p.grammar is not None and not (callable(p.grammar) and p.sampling.grammar):
+            raise BadValue("grammar", "a grammar is a matcher factory, with sampling.grammar set")
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is (its slot is free from the next window on); False if it is not here."""

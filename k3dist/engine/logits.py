@@ -1,11 +1,11 @@
 """What changes a slot's logits before its token is chosen: a grammar's mask, logit_bias, min_tokens and the
 repetition, frequency and presence penalties, as per-slot device buffers the captured step reads.
 
-A request's settings (`Processing`) travel in its admission record, so every rank loads the same values into its own
-buffers; the counts the penalties need are kept on the device, over each rank's vocabulary shard, from the tokens the
-step chooses (identical on every rank), so nothing is read back and no shape changes. A grammar's mask comes from rank
-0 with every window that has a constrained slot (control.py): each rank expands its own shard of the bitmask here,
-outside the step. Only windows in a `process` sampling mode run any of it (sampling.py).
+A request's settings (its `SamplingParams`, sampling.py) travel in its admission record, so every rank loads the
+same values into its own buffers; the counts the penalties need are kept on the device, over each rank's vocabulary
+shard, from the tokens the step chooses (identical on every rank), so nothing is read back and no shape changes. A
+grammar's mask comes from rank 0 with every window that has a constrained slot (control.py): each rank expands its own
+shard of the bitmask here, outside the step. Only windows in a `process` sampling mode run any of it (sampling.py).
 
 The order is vLLM's: the mask, min_tokens, logit_bias, then the repetition penalty (prompt and output: a positive
 logit divided by it, a negative one multiplied), the frequency penalty (times each token's count in the output) and
@@ -16,47 +16,13 @@ single-token edits are one scatter); the penalties read and keep the counts (PEN
 penalized slot run them.
 """
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import Tensor
 
-MAX_BIAS = 320  # logit_bias entries per request (the front takes 300) and the tokens a request bans
-MAX_HELD = 32  # ids min_tokens holds back: the eos ids and the request's stop_token_ids
+from .sampling import MAX_BIAS, MAX_HELD, PENALTIES, SamplingParams
+
 EDITS = MAX_BIAS + MAX_HELD  # a slot's single-token edits: biases, then tokens held back
 NEG_INF = float("-inf")
-NONE, MASKS, PENALTIES = 0, 1, 2  # what a step runs (SamplingMode.process): each level includes the one before
-
-
-@dataclass(frozen=True)
-class Processing:
-    """One request's logit processors; the defaults change nothing."""
-
-    bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans the token
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    min_tokens: int = 0  # `held` cannot be chosen before this many tokens are out
-    held: tuple[int, ...] = ()
-    grammar: bool = False  # a grammar masks the tokens (rank 0 sends the mask with every window)
-
-    @property
-    def penalized(self) -> bool:
-        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
-
-    @property
-    def level(self) -> int:
-        return PENALTIES if self.penalized else MASKS
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(raw: dict | None) -> "Processing | None":
-        if raw is None:
-            return None
-        bias = tuple((int(t), float(v)) for t, v in raw["bias"])
-        return Processing(**(raw | {"bias": bias, "held": tuple(raw["held"])}))
 
 
 def processor_bytes(batch: int, vocab_local: int) -> int:
@@ -125,18 +91,17 @@ class LogitProcessors:
         self.counts.index_put_(where, self.counts[where] + mine)
         self.seen.index_put_(where, self.seen[where] | mine)
 
-    def load(self, slot: int, p: "Processing | None", prompt: tuple[int, ...]) -> None:
-        """A request takes `slot`: its settings (neutral without any), its prompt's tokens for the repetition
-        penalty. Host-to-device writes, outside any step; a grammar's mask is loaded by load_masks."""
-        p = p or Processing()
-        edits = [(t, v, False) for t, v in p.bias] + [(t, 0.0, True) for t in p.held]
+    def load(self, slot: int, p: SamplingParams, prompt: tuple[int, ...]) -> None:
+        """A request takes `slot`: its settings, its prompt's tokens for the repetition penalty. Host-to-device
+        writes, outside any step; a grammar's mask is loaded by load_masks."""
+        edits = [(t, v, False) for t, v in p.logit_bias] + [(t, 0.0, True) for t in p.held]
         mine = [(t - self.start, v, h) for t, v, h in edits if self.start <= t < self.start + self.width]
         mine += [(0, 0.0, False)] * (EDITS - len(mine))
         self.edit_at[slot] = torch.tensor([e[0] for e in mine], dtype=torch.int64)
         self.edit_add[slot] = torch.tensor([e[1] for e in mine], dtype=torch.float32)
         self.edit_held[slot] = torch.tensor([e[2] for e in mine], dtype=torch.bool)
-        self.min_tokens[slot], self.presence[slot] = p.min_tokens, p.presence
-        self.frequency[slot], self.repetition[slot] = p.frequency, p.repetition
+        self.min_tokens[slot], self.presence[slot] = p.min_tokens, p.presence_penalty
+        self.frequency[slot], self.repetition[slot] = p.frequency_penalty, p.repetition_penalty
         if p.penalized:
             self.counts[slot] = 0.0
             at, mine = self._local(torch.tensor(prompt, dtype=torch.int64, device=self.device))

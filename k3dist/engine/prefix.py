@@ -81,6 +81,9 @@ class PrefixIndex:
         self.held = {"device": 0, "host": 0}
         self.stats = Stats()
         self._next = 0
+        # for a KV-event publisher (serve/kv_events.py): ("stored", entry) once a snapshot can be restored,
+        # ("dropped", entry) when it leaves for good; None: nothing is journaled
+        self.journal: list[tuple[str, Entry]] | None = None
 
     # ------------------------------------------------------------------ lookup
 
@@ -151,7 +154,10 @@ class PrefixIndex:
 
     def made(self, snap_id: int) -> None:
         """A planned snapshot is scheduled to be taken: from this point of the record on it can be restored."""
-        self._entry(snap_id).ready = True
+        entry = self._entry(snap_id)
+        entry.ready = True
+        if self.journal is not None:
+            self.journal.append(("stored", entry))
 
     def unplan(self, snap_id: int) -> None:
         """A planned snapshot that will never be taken (its prompt was aborted first): no rank holds it."""
@@ -176,6 +182,8 @@ class PrefixIndex:
             else:
                 moves.drop.append(victim.id)
                 self.stats.evictions += 1
+                if self.journal is not None:
+                    self.journal.append(("dropped", victim))
         return True
 
     def _add(self, entry: Entry) -> None:

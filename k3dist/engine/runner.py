@@ -28,7 +28,7 @@ from ..base.fault_injection import Faults
 from .control import Admit, Window
 from .decode_step import DecodeStep
 from .prompt_logprobs import PromptScores, score
-from .sampling import GREEDY, SamplingMode, slot_seed
+from .sampling import GREEDY, SamplingMode
 from .snapshots import SnapshotStore
 
 
@@ -162,7 +162,7 @@ class Runner:
         (decode steps ran over the slots while they filled), their grammar masks, one emit."""
         slots = [admit.slot for admit, _ in done]
         for admit, _ in done:
-            self.decode_step.processors.load(admit.slot, admit.processing, admit.ids)
+            self.decode_step.load(admit.slot, admit.sampling, admit.ids)
         if masked := [i for i, slot in enumerate(window.masks) if slot in slots]:
             self.decode_step.processors.load_masks(tuple(window.masks[i] for i in masked), window.bitmask[masked])
         rows = torch.tensor(slots, device=self.device)
@@ -235,18 +235,11 @@ class Runner:
         return done
 
     def _start(self, a: Admit) -> None:
-        """Empty the slot, restore the request's snapshot, load its sampling settings (host-to-device writes, outside
-        any step). Any integer fits: a top_k past the vocabulary cuts nothing, a seed is its low 64 bits."""
-        s, vocab = self.decode_step, self.model.cfg.vocab_size
+        """Empty the slot, restore the request's snapshot, load its sampling (host-to-device writes, outside any
+        step)."""
         self.cache.reset_slot(a.slot)
-        s.gen[a.slot] = 0
-        s.temperature[a.slot], s.top_p[a.slot], s.top_k[a.slot], s.seed[a.slot] = (
-            a.temperature,
-            a.top_p,
-            min(a.top_k, vocab),
-            slot_seed(a.seed),
-        )
-        s.processors.load(a.slot, a.processing, a.ids)
+        self.decode_step.gen[a.slot] = 0
+        self.decode_step.load(a.slot, a.sampling, a.ids)
         at = 0
         if a.restore is not None:
             if any(row.snap == a.restore for row in self.heads):  # taken in this window: its logits first

@@ -22,13 +22,16 @@ Terms (each an upper bound of what is alive at once, in bytes):
   the caches' cap (base/allocator.py): a server meets every row count, so the cap is what it holds; and the MLA
   decode op's buffers (kernels/csrc/mla_decode.cpp keeps them between steps): every slot's scores per head over its
   rows, up to cache.cap, and the partial contexts of its pieces;
-- front: rank 0 of a server, the HTTP side (FastAPI, uvicorn, pydantic, their threads and the requests in flight).
+- front: rank 0 of a server, the HTTP side (FastAPI, uvicorn, pydantic, their threads and the requests in flight);
+- stored: rank 0 of a server, the Responses API's stored responses: their bound, serve.store_bytes (each entry's
+  JSON and its bookkeeping are counted against it: serve/response_store.py).
 """
 
 from dataclasses import asdict, dataclass
 
 from ..base.allocator import PRIMITIVE_BYTES, cached_primitives
 from ..config import ModelConfig
+from ..kernels.moe import PAD_ROWS, padded_rows
 from ..model.linear import WIDE_BLOCK
 from ..model.mla import KEY_BLOCK
 from .decode_step import TOP, WIDEST
@@ -55,6 +58,7 @@ class RuntimeMemory:
     kernels: int = 0  # cpu: GEMM primitives the libraries keep
     front: int = 0  # rank 0 of a server: the HTTP side
     guard: int = 0  # one slot's KDA state, kept while its prompt is prefilled over several windows
+    stored: int = 0  # rank 0 of a server: the stored responses' bound (serve.store_bytes)
 
     @property
     def total(self) -> int:
@@ -101,7 +105,8 @@ def _prefill(
         kinds.append(proj + expanded + merged + tokens * H * dv * s * 2 + tokens * D * 4 * 2)
     if cfg.count(mlp="moe"):
         k, E, I_ = cfg.top_k, cfg.num_experts, cfg.expert_size // world
-        routed = tokens * k * (D * s + 3 * I_ * s + D * s + D * 4 + 3 * 8)  # sorted x, gate/up, act, down, fp32
+        rows = padded_rows(tokens, k, E, PAD_ROWS if cpu else 1)  # sorted (CPU: padded) x, gate/up, act, down
+        routed = rows * (D * s + 3 * I_ * s + D * s) + tokens * k * (D * s + D * 4 + 3 * 8)  # then [N*k] fp32
         if dense:  # every expert: gate/up, act, weighted fp32 act and its rounding; the output
             routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + D * (s + 4))
         router = tokens * E * 4 * 4
@@ -147,10 +152,12 @@ def runtime_memory(
     top: int = TOP,
     scoring: bool = False,
     front: bool = False,
+    stored: int = 0,
 ) -> RuntimeMemory:
     """`out_len`: tokens each slot's output buffers hold (cache.cap); `graphs`: CUDA graphs captured (one per
     sampling mode the run may need); `top`: the output buffers' top-k width; `scoring`: whether prompts may be
-    scored (a server); `front`: this rank serves HTTP (rank 0 of a server)."""
+    scored (a server); `front`: this rank serves HTTP (rank 0 of a server); `stored`: the bytes its stored responses
+    may hold (rank 0 of a server)."""
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
@@ -188,4 +195,4 @@ def runtime_memory(
     )
     P, H, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim  # one slot's KDA state (cache.py)
     guard = cfg.count(mixer="kda") * ((cfg.conv_kernel - 1) * 3 * P * s + H * d * d * 4)
-    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0, guard)
+    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0, guard, stored)

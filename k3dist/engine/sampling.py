@@ -1,4 +1,6 @@
-"""Choosing tokens on the device, identically on every rank, with no collective and no host sync.
+"""Choosing tokens on the device, identically on every rank, with no collective and no host sync; and the one value
+that says how a request's tokens are chosen (`SamplingParams`), made once by its checked constructor whichever door
+the request came through.
 
 Greedy is the argmax. Sampling (temperature, top-k, top-p) is an exponential race: the token with the largest
 `logit / T + Gumbel noise` among those the filters keep. The noise is a counter-based hash of (the request's seed,
@@ -6,10 +8,33 @@ the index of the token in its output, the token id), so a request draws the same
 else shares its batch, and no generator state has to live across steps or ranks.
 """
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import Tensor
+
+MAX_BIAS = 320  # logit_bias entries a request holds (the HTTP door takes 300) and the tokens it bans (tool tokens)
+MAX_HELD = 32  # ids min_tokens holds back: the eos ids and the request's stop_token_ids
+NONE, MASKS, PENALTIES = 0, 1, 2  # what logit processing a step runs (logits.py): each level includes the one before
+
+# Which door takes each SamplingParams field, and by which name: `http` (serve/schema.py's request bodies), `file`
+# (a prompts file's line, text/prompt_file.py), `cli` (a config key, settings.py). A field no door takes is made
+# from other fields of a request (`derived`). tests/unit/test_sampling_doors.py holds every door to this table.
+DOORS: dict[str, dict[str, str]] = {
+    "temperature": {"http": "temperature", "file": "temperature", "cli": "generate.temperature"},
+    "top_p": {"http": "top_p", "file": "top_p", "cli": "generate.top_p"},
+    "top_k": {"http": "top_k", "file": "top_k", "cli": "generate.top_k"},
+    "seed": {"http": "seed", "file": "seed", "cli": "generate.seed"},
+    "presence_penalty": {"http": "presence_penalty"},
+    "frequency_penalty": {"http": "frequency_penalty"},
+    "repetition_penalty": {"http": "repetition_penalty"},
+    "min_tokens": {"http": "min_tokens"},
+    "logit_bias": {"http": "logit_bias"},
+    "held": {"derived": "the eos ids and stop_token_ids, held back while min_tokens holds"},
+    "grammar": {"derived": "response_format, structured_outputs or tools: a grammar masks the tokens"},
+}
 
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's constants, as signed int64
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
@@ -53,23 +78,151 @@ class SamplingMode:
 
     sample: bool
     filtered: bool
-    process: int = 0  # logits.py's NONE, MASKS or PENALTIES
-
-    @staticmethod
-    def of(temperature: float, top_p: float, top_k: int, process: int = 0) -> "SamplingMode":
-        """The least mode one request needs."""
-        sample = temperature > 0
-        return SamplingMode(sample, sample and (top_p < 1 or top_k > 0), process)
+    process: int = NONE  # NONE, MASKS or PENALTIES
 
     @staticmethod
     def covering(modes) -> "SamplingMode":
         """The least mode covering all of `modes` (greedy for none): each ability any of them needs."""
         modes = list(modes)
-        sample, filtered = (any(getattr(m, f) for m in modes) for f in ("sample", "filtered"))
-        return SamplingMode(sample, filtered, max((m.process for m in modes), default=0))
+        sample, filtered = any(m.sample for m in modes), any(m.filtered for m in modes)
+        return SamplingMode(sample, filtered, max((m.process for m in modes), default=NONE))
 
     def covers(self, other: "SamplingMode") -> bool:
         return self == SamplingMode.covering((self, other))
+
+
+class BadValue(ValueError):
+    """A value the engine cannot take: `field` names it (a door says it by its own name: DOORS), `why` says why."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field} {why}")
+        self.field, self.why = field, why
+
+    def named(self, name: str) -> "BadValue":
+        return BadValue(name, self.why)
+
+
+def _number(low: float, high: float = math.inf, *, low_open: bool = False, neg_inf: bool = False):
+    def check(name: str, value) -> float:
+        if type(value) not in (int, float) or not (math.isfinite(value) or (neg_inf and value == -math.inf)):
+            raise BadValue(name, f"must be a finite number, got {value!r:.40}")
+        if value < low or (low_open and value == low) or value > high:
+            span = f"{'(' if low_open else '['}{low}, {high}]"
+            raise BadValue(name, f"must be in {span}, got {value!r}")
+        return float(value)
+
+    return check
+
+
+def _integer(low: int | None = None):
+    def check(name: str, value) -> int:
+        if type(value) is not int or (low is not None and value < low):
+            raise BadValue(name, f"must be an integer{'' if low is None else f' >= {low}'}, got {value!r:.40}")
+        return value
+
+    return check
+
+
+def _flag(name: str, value) -> bool:
+    if type(value) is not bool:
+        raise BadValue(name, f"must be true or false, got {value!r:.40}")
+    return value
+
+
+def _ids(most: int):
+    def check(name: str, value) -> tuple[int, ...]:
+        if not isinstance(value, tuple | list) or len(value) > most:
+            raise BadValue(name, f"must be at most {most} token ids, got {value!r:.60}")
+        return tuple(_integer(0)(name, t) for t in value)
+
+    return check
+
+
+def _bias(name: str, value) -> tuple[tuple[int, float], ...]:
+    """(token id, added to its logit) pairs; -inf bans the token."""
+    if not isinstance(value, tuple | list) or len(value) > MAX_BIAS:
+        raise BadValue(name, f"must be at most {MAX_BIAS} (token id, bias) pairs, got {value!r:.60}")
+    if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in value):
+        raise BadValue(name, f"must be (token id, bias) pairs, got {value!r:.60}")
+    number = _number(-math.inf, math.inf, neg_inf=True)
+    return tuple((_integer(0)(name, t), number(name, v)) for t, v in value)
+
+
+_CHECKS = {
+    "temperature": _number(0.0),
+    "top_p": _number(0.0, 1.0, low_open=True),
+    "top_k": _integer(0),  # past the vocabulary it cuts nothing
+    "seed": _integer(),  # any integer: a slot keeps its low 64 bits (slot_seed)
+    "presence_penalty": _number(-math.inf),
+    "frequency_penalty": _number(-math.inf),
+    "repetition_penalty": _number(0.0, low_open=True),
+    "min_tokens": _integer(0),
+    "logit_bias": _bias,
+    "held": _ids(MAX_HELD),
+    "grammar": _flag,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen, the same on every rank: sampling (temperature, top_p, top_k, seed) and
+    the logit processors (logits.py: penalties, min_tokens holding back `held`, logit_bias, a grammar's mask). The
+    defaults are greedy and change no logit.
+
+    Made only through its constructor, which checks every value's type and range (a BadValue naming the field), so
+    whatever door a request came through, nothing a window reads from it can fail. The door's own names for each
+    field are in DOORS; one method writes a slot's tensors from it (DecodeStep.load)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # `held` cannot be chosen before this many tokens are out
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    held: tuple[int, ...] = ()
+    grammar: bool = False  # a grammar masks the tokens (rank 0 sends the mask with every window)
+
+    def __post_init__(self):
+        given = vars(self)
+        for name, check in _CHECKS.items():
+            object.__setattr__(self, name, check(name, given[name]))
+
+    @classmethod
+    def taken(cls, door: str, given: Mapping, base: "SamplingParams | None" = None) -> "SamplingParams":
+        """`base` (the defaults) with each field `given` holds by its name at `door` (DOORS); a BadValue names the
+        door's name."""
+        names = {field: doors[door] for field, doors in DOORS.items() if door in doors}
+        try:
+            return replace(base or cls(), **{f: given[n] for f, n in names.items() if n in given})
+        except BadValue as exc:
+            raise exc.named(names.get(exc.field, exc.field)) from None
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def level(self) -> int:
+        """The logit processing it needs: none, masks (one pass) or penalties (several)."""
+        if self.penalized:
+            return PENALTIES
+        return MASKS if self.logit_bias or self.min_tokens or self.held or self.grammar else NONE
+
+    @property
+    def mode(self) -> "SamplingMode":
+        """The least step mode it needs."""
+        sample = self.temperature > 0
+        return SamplingMode(sample, sample and (self.top_p < 1 or self.top_k > 0), self.level)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(raw: dict) -> "SamplingParams":
+        return SamplingParams(**{f.name: raw[f.name] for f in fields(SamplingParams)})
 
 
 GREEDY, SAMPLE, FILTERED = SamplingMode(False, False), SamplingMode(True, False), SamplingMode(True, True)

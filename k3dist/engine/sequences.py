@@ -4,8 +4,7 @@ engine reports about it (Event)."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .logits import Processing
-from .sampling import SamplingMode
+from .sampling import SamplingMode, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -15,27 +14,24 @@ class Prompt:
     id: str
     ids: tuple[int, ...]
     max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    sampling: SamplingParams = SamplingParams()  # how its tokens are chosen, on every rank (sampling.py)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (scored in the prefill; prompt_logprobs.py)
-    processing: Processing | None = None  # logit processors (engine/logits.py); None: none
-    grammar: Callable | None = None  # () -> a grammar matcher (engine/grammar.py), rank 0 only; needs `processing`
+    grammar: Callable | None = None  # () -> a grammar matcher (engine/grammar.py), rank 0 only; needs sampling.grammar
     stop_ids: tuple[int, ...] = ()  # token ids that end the sequence as an eos id does
     ignore_eos: bool = False  # eos ids do not end it (stop_ids still do)
+    skip_special: bool = False  # the tokenizer's special tokens (eos aside) add no text
+    spaced_special: bool = False  # with their text: a space between a special token and the text beside it
+    priority: int = 0  # waiting prompts take free slots lowest first, then first come (vLLM's priority)
 
     @property
     def mode(self) -> SamplingMode:
-        return SamplingMode.of(
-            self.temperature, self.top_p, self.top_k, self.processing.level if self.processing else 0
-        )
+        return self.sampling.mode
 
     @property
     def min_tokens(self) -> int:
-        return self.processing.min_tokens if self.processing else 0
+        return self.sampling.min_tokens
 
 
 @dataclass

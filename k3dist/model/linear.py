@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..base import compat
 from ..kernels.quant import int8_mm, quantize_int8
 
 
@@ -41,7 +42,7 @@ PLAIN_SLOTS = 4  # the most decode rows for which plain weights and the decode-r
 
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles (torch's own probe; False on a torch without it)."""
-    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return compat.amx_tile_supported()
 
 
 def packs(dtype: torch.dtype, device: torch.device, batch: int, rows_op: bool) -> bool:

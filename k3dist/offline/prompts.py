@@ -2,14 +2,16 @@
 requests, or seeded random ids for benchmarks. Every prompt is checked against the vocabulary and `cache.cap` here,
 before any weight is read."""
 
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from ..base.errors import K3Error
 from ..config import ModelConfig
+from ..engine.sampling import BadValue, SamplingParams
 from ..engine.sequences import Prompt
-from ..settings import Settings
+from ..settings import GenerateSettings, Settings
 
 
 class TextTools:
@@ -31,7 +33,9 @@ class TextTools:
             raise K3Error(f"{what} is text, but {self.model_dir} has no tokenizer (tiktoken.model or tokenizer.json)")
         return self.tokenizer
 
-    def encode_chat(self, messages: list, what: str, tools: list | None = None) -> list[int]:
+    def encode_chat(self, messages: list, what: str, tools: list | None = None, **rendering) -> list[int]:
+        """`rendering`: text/chat.py's render_chat options (add_generation_prompt, documents, variables,
+        continue_final)."""
         from ..text.chat import render_chat
 
         tok = self.need_tokenizer(what)
@@ -39,7 +43,7 @@ class TextTools:
             raise K3Error(f"{what} asks for the chat format, but {self.model_dir} has no chat template")
         text, source = self.template
         limit = {} if tok.max_chars is None else {"max_chars": tok.max_chars}  # a render past it fails at once
-        return tok.encode(render_chat(text, source, messages, tools, **limit, **tok.named_tokens))
+        return tok.encode(render_chat(text, source, messages, tools, **limit, **rendering, **tok.named_tokens))
 
 
 def _messages(text: str, system: str | None) -> list[dict]:
@@ -55,9 +59,19 @@ def seeded_ids(batch: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
 
 
+def cli_sampling(g: GenerateSettings, seed: int | None = None) -> SamplingParams:
+    """The sampling generate.* asks for (the CLI's door: DOORS' `cli` names), seeded `seed` (None: generate.seed)."""
+    given = {f"generate.{name}": value for name, value in asdict(g).items()}
+    try:
+        sampling = SamplingParams.taken("cli", given)
+    except BadValue as exc:
+        raise K3Error(f"{exc}") from None
+    return sampling if seed is None else replace(sampling, seed=seed)
+
+
 def build_prompts(s: Settings, cfg: ModelConfig, text: TextTools | None) -> list[Prompt]:
     g = s.generate
-    base = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=g.stop)
+    base = dict(max_new_tokens=g.max_new_tokens, stop=g.stop)
     if g.prompts is not None:
         if g.prompt_len is not None:
             raise K3Error("generate.prompt_len (random prompts) and generate.prompts (a requests file) are exclusive")
@@ -76,7 +90,9 @@ def build_prompts(s: Settings, cfg: ModelConfig, text: TextTools | None) -> list
         else:
             rows = [list(g.prompt)] * g.batch
         # copies of one prompt draw differently when sampling: each slot its own seed
-        prompts = [Prompt(f"seq-{i}", tuple(ids), seed=g.seed + i, **base) for i, ids in enumerate(rows)]
+        prompts = [
+            Prompt(f"seq-{i}", tuple(ids), sampling=cli_sampling(g, g.seed + i), **base) for i, ids in enumerate(rows)
+        ]
     for p in prompts:
         _check(p, cfg, s)
     if any(p.stop for p in prompts) and (text is None or text.tokenizer is None):
@@ -109,10 +125,13 @@ def _from_file(path: str, s: Settings, text: TextTools | None, base: dict) -> li
             ids = _tools(text).encode_chat(r.messages, where, r.tools)
         else:
             ids = _encode_text(r.prompt, where, s, _tools(text))
-        own = {k: getattr(r, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop")}
-        own = {k: (tuple(v) if k == "stop" else v) for k, v in own.items() if v is not None}
-        seed = r.seed if r.seed is not None else s.generate.seed + r.index
-        out.append(Prompt(r.id, tuple(ids), **(base | own), seed=seed))
+        own = {k: v for k, v in asdict(r).items() if v is not None}
+        budget = {k: (tuple(v) if k == "stop" else v) for k, v in own.items() if k in ("max_new_tokens", "stop")}
+        try:  # the file's own sampling fields over generate.*'s (DOORS' `file` names), each line seeded its own
+            sampling = SamplingParams.taken("file", own, cli_sampling(s.generate, s.generate.seed + r.index))
+        except BadValue as exc:
+            raise K3Error(f"{where}: {exc}") from None
+        out.append(Prompt(r.id, tuple(ids), sampling=sampling, **(base | budget)))
     return out
 
 

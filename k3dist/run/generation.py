@@ -39,7 +39,12 @@ def text_assembler(tokenizer):
         return None
     from ..text.stream import TextAssembler
 
-    return lambda prompt: TextAssembler(tokenizer, prompt.stop, tokenizer.eos_ids)
+    def assembler(prompt):
+        special = tokenizer.marked_special
+        skip = (*tokenizer.eos_ids, *special) if prompt.skip_special else tokenizer.eos_ids
+        return TextAssembler(tokenizer, prompt.stop, skip, special if prompt.spaced_special else ())
+
+    return assembler
 
 
 def prefix_index(s: Settings, cfg: ModelConfig, world: int, dtype) -> PrefixIndex:

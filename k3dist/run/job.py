@@ -159,7 +159,7 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
         prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
     elif plan.serving:  # the server's text and socket live on rank 0 only; a taken port is refused before the load
         text = staged("tokenizer", rt, lambda: serving_text(model_dir, s.cache.cap) if rt.is_main else None)
-        listener = staged("serve", rt, lambda: listen(s.serve.host, s.serve.port) if rt.is_main else None)
+        listener = staged("serve", rt, lambda: listen(s.serve) if rt.is_main else None)
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
     terms = plan.terms[rt.rank]
     store = load_weights(

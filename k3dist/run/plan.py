@@ -21,6 +21,7 @@ from ..kernels.backend import expected, select
 from ..model.cache import cache_nbytes, cache_shapes
 from ..model.experts import experts_dense
 from ..model.linear import packs, widened
+from ..offline.prompts import cli_sampling
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
 from ..weights.quant_plan import int8_terms
@@ -56,7 +57,7 @@ def plan_run(
     run = s.run.plan_for if s.run.mode == "plan" else s.run.mode
     g, serving, prompts_file = s.generate, run == "serve", s.generate.prompts is not None
     dtype = s.model.compute_dtype(cfg.dtype)
-    modes, longest = (SamplingMode.of(g.temperature, g.top_p, g.top_k),), max(1, s.cache.cap - g.max_new_tokens)
+    modes, longest = (cli_sampling(g).mode,), max(1, s.cache.cap - g.max_new_tokens)
     if serving or prompts_file:  # any request: a server's, or a file's own sampling fields
         modes, longest = ALL_MODES, s.cache.cap
     elif run == "load":  # no prompt is ever run
@@ -92,6 +93,7 @@ def plan_run(
             top=WIDEST if serving else TOP,
             scoring=serving,
             front=front,
+            stored=s.serve.store_bytes if front and s.serve.store_responses else 0,  # the Responses API's store
         )
     runtimes, terms = {}, {}
     for rank in ranks:

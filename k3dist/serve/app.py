@@ -1,14 +1,13 @@
-"""The HTTP front (FastAPI): OpenAI's completions and chat routes, streamed as server-sent events or whole, plus
-/v1/models, /health and /metrics. Every refusal is an OpenAI error envelope; nothing a request holds reaches the
-engine before it has been checked, tokenized and found to fit."""
+"""The HTTP front (FastAPI): OpenAI's completions and chat routes, streamed as server-sent events or whole, the
+Responses API (responses_api.py), /v1/models, /health, /metrics and the worker-info routes a router reads
+(worker_info.py). Every refusal is an OpenAI error envelope; nothing a request holds reaches the engine before it has
+been checked, tokenized and found to fit."""
 
-import asyncio
 import hmac
 import json
 import logging
 import threading
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,29 +17,51 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from ..base.errors import K3Error
-from .completions import Batch, Echo, batch_choices, budgets, prompt_batch
-from .errors import APIError, bad
-from .fields import UNSERVED, Forms
+from ..base.fault_injection import Faults
+from .chat_prompt import ChatEcho
+from .completions import Echo
+from .errors import APIError, bad, internal_error
+from .fields import Forms
+from .flow import Gone, engine_events, submit
 from .loop import EngineLoop, Failure
-from .protocol import ChatRequest, CompletionRequest, choices, parse_body
+from .protocol import Unknown, parse_body
+from .response_store import ResponseStore
 from .responses import Shape, usage
+from .responses_api import add_responses_routes
+from .schema import ChatRequest, CompletionRequest
 from .tokenizer_routes import PATHS as TOKENIZER_PATHS
 from .tokenizer_routes import add_tokenizer_routes
+from .worker_info import WorkerInfo, add_worker_routes
 
 log = logging.getLogger("k3dist")
-LOOK_S = 0.5  # how often a whole (not streamed) response looks whether its client is still there
-UNKNOWN_LOGGED = 64  # unknown field names logged (once each) at most: bodies of made-up keys flood no log or memory
 
 
 class Front:
     """What the routes need: the engine loop, the text tools, the model's name and limits."""
 
-    def __init__(self, loop: EngineLoop, text, *, model_name: str, cap: int, vocab: int, api_key, max_body: int):
-        self.loop, self.text, self.model_name = loop, text, model_name
+    def __init__(
+        self,
+        loop: EngineLoop,
+        text,
+        *,
+        model_name: str,
+        cap: int,
+        vocab: int,
+        api_key,
+        max_body: int,
+        unknown_fields: str = "refuse",
+        faults: Faults | None = None,
+        store: ResponseStore | None = None,
+        worker: WorkerInfo,
+    ):
+        """`worker`: what a router's worker-info routes answer (worker_info.py)."""
+        self.loop, self.text, self.model_name, self.worker = loop, text, model_name, worker
         self.cap, self.vocab, self.api_key, self.max_body = cap, vocab, api_key, max_body
-        self.unknown_logged: set[str] = set()
-        self.forms = Forms(text.tokenizer, vocab)  # logit processors, structured outputs, tool calls
+        self.unknown = Unknown(unknown_fields)  # serve.unknown_fields: refuse or ignore (and log) undeclared fields
+        self.faults = faults or Faults()  # tests only (fault.raise_in=route)
+        self.store = store if store is not None else ResponseStore(0, 0)  # the Responses API's (serve.store_*)
+        template = text.template[0] if text.template else None  # with the tokenizer, it decides the chat format
+        self.forms = Forms(text.tokenizer, vocab, template)  # logit processors, structured outputs, tool calls
         threading.Thread(target=self.forms.grammars.warm, name="k3dist-grammar-warm", daemon=True).start()
 
 
@@ -107,7 +128,13 @@ def build_app(front: Front) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc):
-        return bad(str(exc)[:300]).response()
+        return bad(str(exc)[:300], "body").response()
+
+    @app.exception_handler(Exception)
+    async def _fault(request, exc: Exception):
+        """k3dist's own fault on a request's path: a 500 envelope saying what failed; the server serves on."""
+        log.error("k3_serve_fault path=%s %s: %s", request.url.path, type(exc).__name__, exc, exc_info=exc)
+        return internal_error(exc).response()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -138,7 +165,9 @@ def build_app(front: Front) -> FastAPI:
     async def chat(request: Request):
         return await _generate(front, request, ChatRequest)
 
+    add_responses_routes(app, front, _body)
     add_tokenizer_routes(app, front, _body)
+    add_worker_routes(app, front, front.worker)
     return app
 
 
@@ -156,57 +185,27 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _encode(front: Front, req) -> Batch:
-    """Prompt ids, through the chat template for chat (in a worker thread: tokenizing is CPU work)."""
-    try:
-        if isinstance(req, ChatRequest):
-            return Batch([front.text.encode_chat(req.messages, "messages", req.tools)], [""], req.n)
-        return prompt_batch(req, front.text.tokenizer, front.vocab)
-    except K3Error as exc:
-        raise bad(str(exc), "messages" if isinstance(req, ChatRequest) else "prompt") from None
-
-
 async def _generate(front: Front, request: Request, kind):
     arrived = time.monotonic()
     raw = await _body(request, front.max_body)
-    req = await run_in_threadpool(parse_body, raw, kind)  # megabytes of JSON are parsed off the event loop
-    plan = await run_in_threadpool(front.forms.plan, req)  # refusals first; a grammar compiles off the loop too
-    room = max(0, UNKNOWN_LOGGED - len(front.unknown_logged))
-    for name in sorted(set(req.model_extra or ()) - front.unknown_logged - UNSERVED.keys())[:room]:
-        front.unknown_logged.add(name)
-        log.warning("k3_serve_unknown_field name=%s (ignored)", name[:80])
-    if req.model is not None and req.model != front.model_name:
-        raise bad(
-            f"model {req.model!r} is not served here (this server serves {front.model_name!r})",
-            "model",
-            "model_not_found",
-        )
-    batch = await run_in_threadpool(_encode, front, req)
-    limits = budgets(req, batch, front.cap)
+    req = await run_in_threadpool(parse_body, raw, kind, front.unknown)  # megabytes of JSON: off the event loop
     chat = kind is ChatRequest
-    logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    kind_id = "chatcmpl" if chat else "cmpl"
+    run = await submit(front, req, arrived, kind_id)
+    batch, logprobs = run.batch, run.logprobs
     asked_ids = (batch.ids[0] if len(batch.ids) == 1 else batch.ids) if req.return_token_ids else None
-    shape = Shape(request_id, front.model_name, chat, front.text.tokenizer, asked_ids)
-    if chat:
-        prompts = choices(req, shape.id, batch.ids[0], limits[0], logprobs, extra=plan.engine)
-    else:
-        room = front.loop.max_waiting + front.loop.engine.cache.batch
-        prompts = batch_choices(req, shape.id, batch, limits, room, extra=plan.engine)
-    echo = Echo(batch, shape, logprobs is not None) if getattr(req, "echo", False) else None
-    tools = plan.tool_calls(len(prompts))
-    events: asyncio.Queue = asyncio.Queue()
-    aio = asyncio.get_running_loop()
-    front.loop.submit(prompts, lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev), arrived)
-    index = {p.id: i for i, p in enumerate(prompts)}
+    shown = f"{kind_id}-{req.request_id}" if req.request_id is not None else run.internal
+    shape = Shape(shown, front.model_name, chat, front.text.tokenizer, asked_ids)
+    echo = ChatEcho.of(req) if chat else Echo(batch, shape, logprobs is not None) if req.echo else None
+    tools = run.plan.tool_calls(len(run.prompts))
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
             _stream(
                 front,
                 shape,
-                events,
-                index=index,
+                run.events,
+                index=run.index,
                 prompt_len=batch.tokens,
                 include_usage=include,
                 scored=logprobs is not None,
@@ -216,7 +215,8 @@ async def _generate(front: Front, request: Request, kind):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _whole(front, request, shape, events, index=index, prompt_len=batch.tokens, echo=echo, tools=tools)
+    index, prompt_len = run.index, batch.tokens
+    return await _whole(front, request, shape, run.events, index=index, prompt_len=prompt_len, echo=echo, tools=tools)
 
 
 def _sse(obj) -> str:
@@ -245,14 +245,14 @@ async def _stream(
                 offsets[i] = len(text)
             logprobs = shape.logprobs(ev.logprobs, ev.tokens, offsets[i]) if scored else None
             offsets[i] += len(ev.text)
-            text, calls, finish = (
-                tools.delta(i, ev.text, ev.finish_reason) if tools else (ev.text, [], ev.finish_reason)
+            text, reasoning, calls, finish = (
+                tools.delta(i, ev.text, ev.finish_reason) if tools else (ev.text, "", [], ev.finish_reason)
             )
-            if text or calls or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
+            if text or reasoning or calls or ev.finished or logprobs or (ev.tokens and shape.prompt_ids is not None):
                 parts = [[call] for call in calls] or [[]]  # one tool-call delta per chunk, as OpenAI sends them
                 for k, part in enumerate(parts):
                     first, last = k == 0, k == len(parts) - 1
-                    piece = dict(logprobs=logprobs, tokens=ev.tokens) if first else {}
+                    piece = dict(logprobs=logprobs, tokens=ev.tokens, reasoning=reasoning) if first else {}
                     finished = finish if last else None
                     yield _sse(
                         shape.chunk(i, text if first else "", finished, usage=include_usage, tool_calls=part, **piece)
@@ -263,31 +263,21 @@ async def _stream(
         if include_usage:
             yield _sse(shape.usage_chunk(usage(prompt_len, produced)))
         yield "data: [DONE]\n\n"
+    except Exception as exc:  # k3dist's own fault once the stream has begun: an error event, the server serves on
+        log.error("k3_serve_fault stream %s: %s", type(exc).__name__, exc, exc_info=exc)
+        yield _sse(internal_error(exc).body)
     finally:
         if pending:  # the client went away (or the server failed): free the slots at the next window
             front.loop.abort(list(pending))
 
 
 async def _whole(front: Front, request: Request, shape: Shape, events, *, index: dict, prompt_len: int, echo, tools):
-    """The whole response once every choice has ended. The connection is looked at every LOOK_S whether events
-    flow or not: a client gone while its tokens keep coming must free its slots too, not hold them to the end.
-    With `tools` each choice's text is parsed into content and tool calls."""
+    """The whole response once every choice has ended (flow.engine_events: a client gone frees its slots). With
+    `tools` each choice's text is parsed into content, reasoning and tool calls."""
     results = [{"text": "", "tokens": [], "logprobs": [], "finish": None, "prompt": None} for _ in index]
-    pending, look = dict(index), time.monotonic() + LOOK_S
+    pending = dict(index)
     try:
-        while pending:
-            try:
-                ev = await asyncio.wait_for(events.get(), timeout=max(0.0, look - time.monotonic()))
-            except TimeoutError:
-                ev = None
-            if time.monotonic() >= look:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                look = time.monotonic() + LOOK_S
-            if ev is None:
-                continue
-            if isinstance(ev, Failure):
-                raise ev.error()
+        async for ev in engine_events(request, events, pending):
             r = results[index[ev.id]]
             r["text"] += ev.text
             r["tokens"] += ev.tokens
@@ -295,11 +285,12 @@ async def _whole(front: Front, request: Request, shape: Shape, events, *, index:
             r["prompt"] = ev.prompt_logprobs if ev.prompt_logprobs is not None else r["prompt"]
             if ev.finished:
                 r["finish"] = ev.finish_reason
-                del pending[ev.id]
         for i, r in enumerate(results if tools else ()):
-            r["text"], r["tool_calls"], r["finish"] = tools.whole(i, r["text"], r["finish"])
+            r["text"], r["reasoning"], r["tool_calls"], r["finish"] = tools.whole(i, r["text"], r["finish"])
         body = shape.whole(results, usage(prompt_len, sum(len(r["tokens"]) for r in results)))
         return JSONResponse(echo.whole(body, [r["prompt"] for r in results]) if echo is not None else body)
+    except Gone:
+        return Response(status_code=499)
     finally:
         if pending:
             front.loop.abort(list(pending))

@@ -13,9 +13,11 @@ evaluators' log-likelihood requests read (lm-eval: `max_tokens: 1, logprobs: 1, 
 
 from dataclasses import dataclass
 
+from ..engine.sampling import SamplingParams
 from ..engine.sequences import Prompt
 from .errors import APIError, bad
-from .protocol import CompletionRequest, budget, choices, draw_seed
+from .protocol import budget, choices
+from .schema import CompletionRequest
 
 MAX_PROMPTS = 1024  # prompts one body may hold (all their choices must also fit the slots and the queue)
 
@@ -38,8 +40,6 @@ class Batch:
 
 def prompt_batch(req: CompletionRequest, tokenizer, vocab: int) -> Batch:
     """The prompts of a completions request, each tokenized (text) or checked against the vocabulary (ids)."""
-    if req.prompt_logprobs is not None:
-        raise bad("prompt_logprobs is not supported: echo with logprobs scores every prompt token", "prompt_logprobs")
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
@@ -75,19 +75,24 @@ def budgets(req: CompletionRequest, batch: Batch, cap: int) -> list[int]:
 
 
 def batch_choices(
-    req: CompletionRequest, request_id: str, batch: Batch, limits: list[int], room: int, extra: dict | None = None
+    req: CompletionRequest,
+    request_id: str,
+    batch: Batch,
+    limits: list[int],
+    room: int,
+    sampling: SamplingParams,
+    extra: dict | None = None,
 ) -> list[Prompt]:
     """Every prompt's choices, prompt-major; refused when they could never all be queued (`room`); `extra`: more
-    Prompt fields (logit processors, grammar, stop ids)."""
+    Prompt fields (grammar, stop ids, detokenizing)."""
     count = len(batch.ids) * req.n
     if len(batch.ids) > 1 and count > room:
         raise bad(f"{len(batch.ids)} prompts x n={req.n} = {count} choices can never be queued: {room} fit", "prompt")
-    seed, score = draw_seed(req), (req.logprobs if req.echo else None)
+    score = req.logprobs if req.echo else None
     out: list[Prompt] = []
     for i, (ids, max_new) in enumerate(zip(batch.ids, limits, strict=True)):
-        out += choices(
-            req, request_id, ids, max_new, req.logprobs, first=i * req.n, seed=seed, score=score, extra=extra
-        )
+        at = dict(first=i * req.n, sampling=sampling, score=score, extra=extra)
+        out += choices(req, request_id, ids, max_new, req.logprobs, **at)
     return out
 
 

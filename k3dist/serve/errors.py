@@ -26,5 +26,10 @@ class APIError(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=headers)
 
 
+def internal_error(exc: Exception) -> APIError:
+    """k3dist's own fault while answering a request (never the client's): a 500 saying what failed."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {str(exc)[:300]}", code="internal_error")
+
+
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)

@@ -1,140 +1,135 @@
-"""The request fields that shape the output, beyond sampling: logit processors (logit_bias, the penalties, min_tokens,
-stop_token_ids, ignore_eos), structured outputs and tool calls, checked together and turned into what the engine
-takes per choice; and the known fields this server does not serve, each refused with a 400 naming it.
+"""The request fields that shape the output beyond its text: sampling and the logit processors (temperature, top_p,
+top_k, seed, logit_bias, the penalties, min_tokens), stop_token_ids, ignore_eos, structured outputs and tool calls,
+checked together and turned into what the engine takes per choice: one SamplingParams (built by its checked
+constructor, engine/sampling.py) and the Prompt's other fields; and the known fields this server does not serve, each
+refused with a 400 naming it unless it asks for nothing (schema.py's UNSERVED).
 
-A known field is honoured or refused, never dropped: docs/serving.md has the table. Fields nobody declared stay
-ignored and logged once (app.py). Conflicts are refused too: a grammar decides where its output ends, so it does not
-go with min_tokens or ignore_eos.
+A known field is honoured or refused, never dropped: docs/serving.md has the table. Conflicts are refused too: a
+grammar decides where its output ends, so it does not go with min_tokens or ignore_eos.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from ..engine.logits import MAX_HELD, Processing
+from ..engine.sampling import MAX_HELD, BadValue, SamplingParams
 from .errors import bad
-from .structured import Grammars
-from .tools import ToolCalls, ToolPlan, ToolTokens, tool_plan
-
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI
-MAX_STOP_IDS = 16
-NOT_SERVED = "is not served here"
-# field -> (values that ask for nothing, what to do instead); any other value is refused
-UNSERVED = {
-    "audio": ((None,), "audio output " + NOT_SERVED),
-    "modalities": ((None, ["text"]), "only text output is served"),
-    "prediction": ((None,), "predicted outputs are " + NOT_SERVED),
-    "reasoning_effort": ((None,), "reasoning_effort " + NOT_SERVED),
-    "verbosity": ((None,), "verbosity " + NOT_SERVED),
-    "web_search_options": ((None,), "web search " + NOT_SERVED),
-    "functions": ((None,), "functions are not served: use tools"),
-    "function_call": ((None,), "function_call is not served: use tool_choice"),
-    "store": ((None, False), "nothing is stored here (store)"),
-    "metadata": ((None,), "metadata goes with stored completions, and nothing is stored here"),
-    "service_tier": ((None, "auto", "default"), "one service tier is served (auto/default)"),
-    "moderation": ((None,), "moderation " + NOT_SERVED),
-    "prompt_cache_retention": ((None, "in_memory"), "prompt caches live in memory only (prefix.*)"),
-    "prompt_cache_options": ((None,), "prompt_cache_options " + NOT_SERVED + " (the prefix cache is automatic)"),
-    "suffix": ((None, ""), "suffix (insertion) " + NOT_SERVED),
-    "best_of": ((None, 1), "best_of " + NOT_SERVED + ": use n"),
-    "use_beam_search": ((None, False), "beam search " + NOT_SERVED),
-    "length_penalty": ((None, 1, 1.0), "length_penalty goes with beam search, which " + NOT_SERVED),
-    "min_p": ((None, 0, 0.0), "min_p " + NOT_SERVED + ": use top_p or top_k"),
-    "allowed_token_ids": ((None,), "allowed_token_ids " + NOT_SERVED + ": use structured_outputs or logit_bias"),
-    "bad_words": ((None, []), "bad_words " + NOT_SERVED + ": use logit_bias"),
-    "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output"),
-    "truncate_prompt_tokens": ((None,), "prompts are never truncated here"),
-    **{
-        f"guided_{kind}": ((None,), f"guided_{kind} " + NOT_SERVED + ": use structured_outputs")
-        for kind in ("json", "regex", "choice", "grammar", "json_object", "decoding_backend", "whitespace_pattern")
-    },
-}
+from .protocol import draw_seed
+from .schema import HTTP_NAMES, NOT_SERVED, UNSERVED, ChatRequest, Sampling
+from .structured import Ask, Grammars
+from .tools import ToolCalls, ToolFormat, ToolPlan, chat_format, tool_plan
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one request asks of the engine beyond its sampling (`engine`: Prompt fields), and its tool calls."""
+    """What one request asks of the engine beyond its prompt: its sampling, more Prompt fields (`engine`), and its
+    tool calls; for a chat, its format (`form`), where its prompt leaves the answer (`opened`) and the grammar that
+    waits on that (`pending`, Forms.bind)."""
 
+    sampling: SamplingParams
     engine: dict
     tools: ToolPlan | None
+    form: ToolFormat | None = None
+    opened: str = "response"
+    pending: Ask | None = None
 
     def tool_calls(self, choices: int) -> ToolCalls | None:
-        """How each choice's text turns into tool calls; None when calls are neither asked nor possible."""
-        return ToolCalls(choices, self.tools.parallel) if self.tools is not None and self.tools.calls else None
+        """How each choice's text turns into content, reasoning and tool calls; None when it is taken as it is."""
+        return ToolCalls.of(self.form, self.tools, choices, self.opened)
 
 
 class Forms:
-    """The checkpoint's part in this: its tokenizer (eos ids, tool tokens) and its grammar compiler."""
+    """The checkpoint's part in this: its tokenizer (eos ids), its chat format (tools.py, from the tokenizer's
+    special tokens and the template's text) and its grammar compiler."""
 
-    def __init__(self, tokenizer, vocab: int):
+    def __init__(self, tokenizer, vocab: int, template: str | None = None):
         self.tokenizer, self.vocab = tokenizer, vocab
-        self.tool_tokens = ToolTokens.find(tokenizer)
-        self.grammars = Grammars(tokenizer, vocab, self.tool_tokens)
+        self.form = chat_format(tokenizer, template)
+        self.grammars = Grammars(tokenizer, vocab, self.form)
 
-    def plan(self, req) -> Plan:
+    def plan(self, req: Sampling) -> Plan:
         """Check the output-shaping fields of a parsed request (a 400 naming the first bad one); may compile a grammar
-        (call it off the event loop)."""
+        (call it off the event loop). A chat's grammar that depends on where its prompt leaves the answer (K3's) is
+        compiled by `bind`."""
         refuse_unserved(req)
-        tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_tokens) if _chat(req) else None
-        grammar = self.grammars.for_request(req, tools)
-        if grammar is not None and (req.min_tokens or req.ignore_eos):
+        chat = isinstance(req, ChatRequest)
+        form = self.form if chat else None
+        tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, form) if chat else None
+        ask = self.grammars.ask(req.response_format, req.structured_outputs, tools)
+        later = ask is not None and form is not None and form.always
+        grammar = None if ask is None or later else self.grammars.compile(ask, form)
+        if ask is not None and (req.min_tokens or req.ignore_eos):
             field = "min_tokens" if req.min_tokens else "ignore_eos"
             raise bad(f"{field} does not go with a grammar (response_format, structured_outputs, tools)", field)
-        stop_ids = self._ids(req.stop_token_ids or [], "stop_token_ids", MAX_STOP_IDS)
+        stop_ids = self._ids(req.stop_token_ids or [], "stop_token_ids")
         bias = [(t, v) for t, v in self._bias(req.logit_bias).items()]
         if tools is not None and not tools.calls:  # tool_choice none: no tool token can start a call
-            bias += [(t, float("-inf")) for t in self.tool_tokens.ids]
-        budget = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if budget is not None and req.min_tokens > budget:
-            raise bad(f"min_tokens={req.min_tokens} is more than max_tokens={budget}", "min_tokens")
+            bias += [(t, float("-inf")) for t in form.refused]
+        if req.budget is not None and req.min_tokens > req.budget:
+            raise bad(f"min_tokens={req.min_tokens} is more than max_tokens={req.budget}", "min_tokens")
         held = tuple(dict.fromkeys((() if req.ignore_eos else self.tokenizer.eos_ids) + tuple(stop_ids)))
-        processing = Processing(
-            bias=tuple(bias),
-            presence=req.presence_penalty,
-            frequency=req.frequency_penalty,
-            repetition=req.repetition_penalty,
-            min_tokens=req.min_tokens,
-            held=held[:MAX_HELD] if req.min_tokens else (),
-            grammar=grammar is not None,
-        )
+        try:
+            sampling = SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=max(req.top_k, 0),
+                seed=draw_seed(req),
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                min_tokens=req.min_tokens,
+                logit_bias=tuple(bias),
+                held=held[:MAX_HELD] if req.min_tokens else (),
+                grammar=ask is not None,
+            )
+        except BadValue as exc:  # the schema's bounds are the constructor's or tighter: a slip of this front
+            raise bad(f"{exc.named(HTTP_NAMES.get(exc.field, exc.field))}", HTTP_NAMES.get(exc.field)) from None
         engine = {"stop_ids": tuple(stop_ids), "ignore_eos": req.ignore_eos, "grammar": grammar}
-        engine["processing"] = None if processing == Processing() else processing
-        return Plan(engine, tools)
+        engine |= {"skip_special": req.skip_special_tokens, "spaced_special": req.spaces_between_special_tokens}
+        return Plan(sampling, engine, tools, form, pending=ask if later else None)
 
-    def _ids(self, ids: list[int], field: str, most: int) -> list[int]:
-        if len(ids) > most:
-            raise bad(f"{field} takes at most {most} token ids, got {len(ids)}", field)
+    def bind(self, plan: Plan, prompt_ids) -> Plan:
+        """A chat's plan once its prompt is tokenized: where the prompt leaves the answer, and the grammar that
+        waited on it compiled (a 400 naming its field when it cannot be)."""
+        if plan.form is None:
+            return plan
+        opened = plan.form.opening(self.tokenizer, prompt_ids)
+        engine = plan.engine
+        if plan.pending is not None:
+            engine = engine | {"grammar": self.grammars.compile(plan.pending, plan.form, opened)}
+        return replace(plan, engine=engine, opened=opened, pending=None)
+
+    def _ids(self, ids: list[int], field: str) -> list[int]:
         if out := [t for t in ids if not 0 <= t < self.vocab]:
             raise bad(f"{field}: token ids {out[:5]} are outside the vocabulary (0..{self.vocab - 1})", field)
         return ids
 
     def _bias(self, bias: dict | None) -> dict[int, float]:
-        """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries."""
-        if not bias:
-            return {}
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise bad(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+        """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (the schema holds the keys to ASCII digits, the
+        values to the range and the entries to 300): here the ids to the vocabulary."""
         out: dict[int, float] = {}
-        for key, value in bias.items():
-            if not key.isdigit() or int(key) >= self.vocab:
+        for key, value in (bias or {}).items():
+            if int(key) >= self.vocab:
                 raise bad(
                     f"logit_bias key {key!r:.40} is not a token id of the vocabulary (0..{self.vocab - 1})",
                     "logit_bias",
                 )
-            if not -100 <= value <= 100:
-                raise bad(f"logit_bias[{key!r}] = {value} is outside [-100, 100]", "logit_bias")
-            out[int(key)] = out.get(int(key), 0.0) + float(value)
+            out[int(key)] = out.get(int(key), 0.0) + value
         return out
-
-
-def _chat(req) -> bool:
-    return hasattr(req, "messages")
 
 
 def refuse_unserved(req) -> None:
     """Known fields this server does not serve, set to something that asks for them: a 400 naming the field."""
-    extra = req.model_extra or {}
-    for name, (nothing, why) in UNSERVED.items():
-        if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in nothing):
-            raise bad(f"{name}={extra[name]!r:.60}: {why}", name)
-    options = req.stream_options.model_extra if req.stream_options is not None else None
-    if options and options.get("include_obfuscation"):
+    unserved = {name for name, f in type(req).model_fields.items() if f.annotation is Any} & UNSERVED.keys()
+    given = req.model_dump(include=unserved & req.model_fields_set)  # a route may honour a name another does not
+    for name, value in given.items():
+        nothing, why = UNSERVED[name]
+        if not any(value == v and type(value) is type(v) for v in nothing):
+            raise bad(f"{name}={value!r:.60}: {why}", name)
+    options = req.stream_options if isinstance(req, Sampling) else None
+    if options is not None and options.include_obfuscation:
         raise bad("stream_options.include_obfuscation " + NOT_SERVED, "stream_options")
+    if options is not None and options.continuous_usage_stats:
+        raise bad(
+            "stream_options.continuous_usage_stats " + NOT_SERVED + ": include_usage gives it at the end",
+            "stream_options",
+        )

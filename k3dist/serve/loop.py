@@ -15,10 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
+from ..engine.sampling import BadValue
 from ..engine.sequences import Event, Prompt
 from .errors import APIError, bad
 from .metrics import Metrics
 from .protocol import raise_unavailable
+from .schema import HTTP_NAMES
+from .worker_info import DecodeRate, Load
 
 STALE_S = 60.0  # /health turns 503 when the loop has not come round for this long (a window that hangs)
 
@@ -43,8 +46,9 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, drain_s: float):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, drain_s: float, kv_events=None):
+        """`kv_events`: a KV-event publisher (kv_events.py) told after every window what its snapshots changed."""
+        self.engine, self.metrics, self.kv_events = engine, metrics, kv_events
         self.max_waiting, self.drain_s = max_waiting, drain_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -57,12 +61,19 @@ class EngineLoop:
         self.last_tick = time.monotonic()
         self._drain_at: float | None = None
         self.signum: int | None = None
+        self.load = Load(slots=engine.cache.batch, cap=engine.cache.cap)  # /v1/loads: made here, read by HTTP
+        self._rate, self._prompted = DecodeRate(), 0  # the decode steps' rate; prompt tokens handed to the engine
 
     # ------------------------------------------------------------------ any thread
 
     def submit(self, prompts: list[Prompt], sink: Callable, arrived: float) -> None:
         """Queue a request's choices; refused with a 503 when draining, dead or the waiting queue is full, and with a
         400 when it has more choices than the slots and the queue together hold (no retry would ever get it in)."""
+        for p in prompts:  # the engine's own check, on this side: a slip of the front is a 400, never a dead window
+            try:
+                self.engine.check(p)
+            except BadValue as exc:
+                raise bad(f"{exc}", HTTP_NAMES.get(exc.field, exc.field)) from None
         room = self.max_waiting + self.engine.cache.batch
         if len(prompts) > room:
             raise bad(
@@ -119,9 +130,13 @@ class EngineLoop:
                 if self.engine.busy:
                     events = self.engine.run_window()
                     self._gauges()  # before any answer leaves: whoever has the answer sees it in /metrics too
+                    if self.kv_events is not None:  # and a router hears of the window's snapshots
+                        self.kv_events.flush()
                     self._dispatch(events)
                 elif not self._wake.wait(self.engine.channel.heartbeat_s):
                     self.engine.heartbeat()
+                    if self.kv_events is not None:  # a subscriber that joined while idle gets the state now
+                        self.kv_events.flush()
                 self._wake.clear()
                 self.last_tick = time.monotonic()
                 self._gauges()
@@ -148,6 +163,7 @@ class EngineLoop:
                     self._tracked[p.id] = _Tracked(sink, arrived)
                     self.engine.add(p)
                     self.metrics.prompt_tokens.inc(len(p.ids))
+                    self._prompted += len(p.ids)
             else:
                 for request_id in item[1]:
                     self.engine.abort(request_id)
@@ -186,6 +202,8 @@ class EngineLoop:
         self.metrics.prefill_seconds.set(self.engine.timings.prefill_seconds)
         self.metrics.decode_seconds.set(self.engine.timings.decode_seconds)
         self.metrics.memory_report(self.engine.watch)
+        self._rate.update(self.engine.timings.decode_tokens, self.engine.timings.decode_seconds)
+        self.load = Load.of(self.engine, self._queued, self._rate.per_s(), self._prompted)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Every request still in flight (queued, waiting or in a slot) gets `message` instead of its end."""

@@ -1,5 +1,7 @@
 """Response bodies and stream chunks in OpenAI's shapes, for completions (`text_completion`) and chat
-(`chat.completion`, `chat.completion.chunk`), with usage and log-probabilities."""
+(`chat.completion`, `chat.completion.chunk`), with usage and log-probabilities. A chat answer's reasoning, where the
+checkpoint's format writes it apart (K3's think tag, tools.py), is the message's `reasoning_content`, as vLLM and
+SGLang give it."""
 
 import time
 
@@ -51,14 +53,15 @@ class Shape:
         }
 
     def whole(self, results: list[dict], usage: dict) -> dict:
-        """The non-streamed response: results[i] = {text, finish_reason, logprobs, tokens, tool_calls?} of choice i."""
+        """The non-streamed response: results[i] = {text, finish_reason, logprobs, tokens, reasoning?, tool_calls?}
+        of choice i."""
         choices = []
         for i, r in enumerate(results):
             logprobs = self.logprobs(r["logprobs"], r["tokens"])
             if self.chat:
-                message = {"role": "assistant", "content": r["text"]} | (
-                    {"tool_calls": r["tool_calls"]} if r.get("tool_calls") else {}
-                )
+                message = {"role": "assistant", "content": r["text"]}
+                message |= {"reasoning_content": r["reasoning"]} if r.get("reasoning") else {}
+                message |= {"tool_calls": r["tool_calls"]} if r.get("tool_calls") else {}
                 choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": r["finish"]}
             else:
                 choice = {"index": i, "text": r["text"], "logprobs": logprobs, "finish_reason": r["finish"]}
@@ -77,10 +80,13 @@ class Shape:
         usage: bool = False,
         tokens=(),
         tool_calls=(),
+        reasoning: str = "",
     ) -> dict:
-        """One streamed piece of choice `index` (the first chat delta carries the role; `tool_calls`: call deltas)."""
+        """One streamed piece of choice `index` (the first chat delta carries the role; `tool_calls`: call deltas;
+        `reasoning`: more of the reasoning)."""
         if self.chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            delta |= {"reasoning_content": reasoning} if reasoning else {}
             delta |= {"tool_calls": list(tool_calls)} if tool_calls else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:

@@ -1,12 +1,14 @@
 """Structured outputs with xgrammar: OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs`
-(json, regex, choice, grammar) and Kimi's tool-call section, compiled against the checkpoint's vocabulary, and one
-matcher per choice for the engine on rank 0 (engine/grammar.py).
+(json, regex, choice, grammar) and the checkpoint's tool calls (tools.py's format), compiled against the
+checkpoint's vocabulary, and one matcher per choice for the engine on rank 0 (engine/grammar.py).
 
-The vocabulary xgrammar sees: base tokens as their bytes; Kimi's tool tokens as 0xFF (a byte no UTF-8 text holds)
-and their name, so no text grammar ever reaches them and a tool grammar names them by id; every other special token
-as special (allowed only where the output may end, as a stop token). JSON is compiled to one layout (`", "` and
-`": "`, no other whitespace), so whitespace cannot grow without end and a schema of bounded values ends in a bounded
-number of tokens whatever the weights. Compiled grammars are cached by source (xgrammar's cache, `CACHE_BYTES` at
+The vocabulary xgrammar sees: base tokens as their bytes; Kimi-K2's tool tokens as 0xFF (a byte no UTF-8 text
+holds) and their name, so no text grammar ever reaches them and a tool grammar names them by id; K3's markup tokens
+as their text, so K3's grammars spell its tags out; every other special token as special (allowed only where the
+output may end, as a stop token). JSON is compiled to one layout (`", "` and `": "`, no other whitespace), so
+whitespace cannot grow without end and a schema of bounded values ends in a bounded number of tokens whatever the
+weights. A chat's structured output under K3's format goes where K3 writes its answer: after the thinking, in the
+response tag (tools_k3.py's `tag`). Compiled grammars are cached by source (xgrammar's cache, `CACHE_BYTES` at
 most); compiling runs on worker threads (xgrammar releases the GIL) and one that takes longer than `COMPILE_S`, is
 larger than `MAX_SOURCE` characters or is not valid is a 400 naming the field. The engine loop never waits on it.
 """
@@ -14,18 +16,30 @@ larger than `MAX_SOURCE` characters or is not valid is a 400 naming the field. T
 import json
 import re
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 from .errors import APIError, bad
-from .tools import ToolPlan, ToolTokens
+from .tools import ToolFormat, ToolPlan
 
 COMPILE_S = 10.0
 COMPILERS = 2  # compiles at once (a hung one keeps its place until it ends: the bound holds anyway)
 MAX_SOURCE = 64 * 1024  # characters of a schema, regex, grammar, choice list or tool set
 CACHE_BYTES = 64 * 2**20
-TOOL_INDEX = r"[0-9]{1,4}"  # a call's number in the conversation, as the model writes it
-MAX_CALLS = 16  # tool calls in one answer's section (so even random weights end it)
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a request's output must be, checked but not compiled yet."""
+
+    what: str  # "JSON schema", "regex", ..., "tools"
+    source: object  # what the client sent, sized against MAX_SOURCE
+    param: str  # the request field a refusal names
+    plain: Callable | None = None  # compiler -> compiled grammar, for the output alone
+    inner: Callable | None = None  # () -> the same as an xgrammar structural-tag format (a K3 chat's response)
+    tools: ToolPlan | None = None
 
 
 class _Matcher:
@@ -46,8 +60,8 @@ class _Matcher:
 class Grammars:
     """The xgrammar compiler over one checkpoint's vocabulary (made on first use), and what requests ask of it."""
 
-    def __init__(self, tokenizer, vocab_size: int, tools: ToolTokens | None):
-        self.tokenizer, self.vocab_size, self.tools = tokenizer, vocab_size, tools
+    def __init__(self, tokenizer, vocab_size: int, form: ToolFormat | None):
+        self.tokenizer, self.vocab_size, self.form = tokenizer, vocab_size, form
         self._compiler = None
         self._lock = threading.Lock()
         self._places = threading.BoundedSemaphore(COMPILERS)
@@ -66,9 +80,11 @@ class Grammars:
                 try:
                     import xgrammar
                 except ImportError:
-                    raise bad("structured outputs need xgrammar (pip install 'k3dist[serve]')") from None
-                tok, specials = self.tokenizer, set(self.tokenizer.special_ids.values())
-                tool_ids = set(self.tools.ids) if self.tools else set()
+                    need = "structured outputs need xgrammar (pip install 'k3dist[serve]')"
+                    raise bad(need, "response_format") from None
+                tok, form = self.tokenizer, self.form
+                tool_ids, text_ids = (form.token_ids, form.text_ids) if form else (frozenset(), frozenset())
+                specials = set(self.tokenizer.special_ids.values()) - text_ids
                 vocab = [
                     b"\xff" + tok.decode_bytes([i])
                     if i in tool_ids
@@ -81,13 +97,12 @@ class Grammars:
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 
-    def for_request(self, req, tools: ToolPlan | None):
-        """() -> a Matcher for each choice, or None when the request is unconstrained (a 400 for a bad grammar)."""
-        fmt = getattr(req, "response_format", None)
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        structured = getattr(req, "structured_outputs", None)
-        if fmt is not None and kind not in ("text", "json_object", "json_schema"):
-            raise bad(f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    def ask(self, response_format, structured_outputs, tools: ToolPlan | None) -> Ask | None:
+        """What the request asks its output to be (None: nothing), each field checked (a 400 naming the first bad
+        one). `response_format`, `structured_outputs`: the request's (schema.py's models) or None."""
+        fmt = response_format.model_dump(by_alias=True, exclude_unset=True) if response_format is not None else None
+        kind = fmt["type"] if fmt is not None else None
+        structured = structured_outputs.model_dump(by_alias=True, exclude_unset=True) if structured_outputs else None
         asked = [
             name
             for name, on in (("response_format", kind not in (None, "text")), ("structured_outputs", structured))
@@ -100,10 +115,22 @@ class Grammars:
         if not asked:
             return None
         if asked == ["tools"]:
-            return self._compiled("tools", partial(self._tools, tools), tools.tools, "tools")
-        if asked == ["response_format"]:
-            return self._compiled(*_response_format(fmt))
-        return self._compiled(*_structured_outputs(structured))
+            return Ask("tools", tools.tools, "tools", tools=tools)
+        return _response_format(fmt) if asked == ["response_format"] else _structured_outputs(structured)
+
+    def compile(self, ask: Ask, form: ToolFormat | None = None, opened: str = "response"):
+        """() -> a Matcher for each choice (a 400 for a grammar xgrammar refuses). `form`: a chat's format, which
+        places the output in its answer (`opened`: where the prompt left it); None for completions."""
+
+        def compile_with(compiler):
+            built = None if form is None else form.tag(ask.tools, ask.inner, opened)
+            if built is None:
+                return ask.plain(compiler)  # a structured output first in the answer: compiled alone
+            from xgrammar.structural_tag import StructuralTag
+
+            return compiler.compile_structural_tag(StructuralTag(format=built))
+
+        return self._compiled(ask.what, compile_with, ask.source, ask.param)
 
     def _compiled(self, what: str, compile_with, source, param: str):
         size = len(json.dumps(source)) if not isinstance(source, str) else len(source)
@@ -127,28 +154,25 @@ class Grammars:
         if not done.wait(COMPILE_S):
             raise late
         if "error" in result:
+            if isinstance(result["error"], APIError):
+                raise result["error"]
             raise bad(f"{param}: the {what} is not valid: {_reason(result['error'])}", param)
         return partial(_Matcher, result["compiled"])
 
-    def _tools(self, plan: ToolPlan, compiler):
-        from xgrammar.structural_tag import StructuralTag
 
-        return compiler.compile_structural_tag(StructuralTag(format=tool_format(plan, self.tools)))
-
-
-def _response_format(fmt: dict):
+def _response_format(fmt: dict) -> Ask:
     if fmt["type"] == "json_object":
-        return "JSON object", _json({"type": "object"}), "", "response_format"
+        return _json("JSON object", {"type": "object"}, "", "response_format")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise bad("response_format json_schema needs {'name': ..., 'schema': {...}}", "response_format")
     schema = spec.get("schema", {"type": "object"})
     if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), bool | None):
         raise bad("response_format json_schema: schema must be an object and strict a boolean", "response_format")
-    return "JSON schema", _json(schema), schema, "response_format"
+    return _json("JSON schema", schema, schema, "response_format")
 
 
-def _structured_outputs(spec):
+def _structured_outputs(spec) -> Ask:
     param = "structured_outputs"
     if not isinstance(spec, dict):
         raise bad(f"{param} must be an object with one of {', '.join(STRUCTURED_KEYS)}", param)
@@ -160,67 +184,42 @@ def _structured_outputs(spec):
         raise bad(f"{param} takes exactly one of {', '.join(STRUCTURED_KEYS)}, got {given}", param)
     key, value = given[0], spec[given[0]]
     if key == "json_object" and value is True:
-        return "JSON object", _json({"type": "object"}), "", param
+        return _json("JSON object", {"type": "object"}, "", param)
     if key == "json" and isinstance(value, dict | str):
-        return "JSON schema", _json(value), value, param
+        return _json("JSON schema", value, value, param)
     if key == "regex" and isinstance(value, str):
-        return "regex", lambda c: c.compile_regex(value), value, param
+        return Ask("regex", value, param, lambda c: c.compile_regex(value), partial(_format, "RegexFormat", value))
     if key == "grammar" and isinstance(value, str):
-        return "grammar", lambda c: c.compile_grammar(value), value, param
+        inner = partial(_format, "GrammarFormat", value)
+        return Ask("grammar", value, param, lambda c: c.compile_grammar(value), inner)
     if key == "choice" and isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
         rule = "root ::= " + " | ".join(json.dumps(v, ensure_ascii=False) for v in dict.fromkeys(value))
-        return "choice", lambda c: c.compile_grammar(rule), value, param
+        return Ask("choice", value, param, lambda c: c.compile_grammar(rule), partial(_format, "GrammarFormat", rule))
     raise bad(f"{param}.{key}: {value!r:.80} is not a valid value for it", param)
 
 
-def _json(schema):
-    return lambda c: c.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+def _json(what: str, schema, source, param: str) -> Ask:
+    def plain(compiler):
+        return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+
+    def inner():
+        import xgrammar
+
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        return _format("GrammarFormat", str(grammar))
+
+    return Ask(what, source, param, plain, inner)
+
+
+def _format(kind: str, text: str):
+    """A regex or an EBNF grammar as a piece of a structural tag."""
+    from xgrammar import structural_tag as st
+
+    return st.RegexFormat(pattern=text) if kind == "RegexFormat" else st.GrammarFormat(grammar=text)
 
 
 def _reason(exc: Exception) -> str:
     """xgrammar's message without its timestamp and source position."""
     text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip())
     return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)[:300]
-
-
-def tool_format(plan: ToolPlan, tokens: ToolTokens):
-    """Kimi's tool-call section as an xgrammar structural tag: the markers by token id, each call's arguments in its
-    tool's schema (compact JSON, as `_json`). `required` and a named tool start with the section; `auto` is free text
-    (no tool token in it) until the section's token, after which the calls are constrained. At most MAX_CALLS calls,
-    one without parallel_tool_calls or with a named tool; after the section the output can only end."""
-    import xgrammar
-    from xgrammar import structural_tag as st
-
-    def arguments(function: dict):
-        schema = function.get("parameters") or {"type": "object"}
-        return st.GrammarFormat(grammar=str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)))
-
-    heads = [
-        st.SequenceFormat(
-            elements=[
-                st.ConstStringFormat(value=f"functions.{f['name']}:"),
-                st.RegexFormat(pattern=TOOL_INDEX),
-                st.TokenFormat(token=tokens.argument_begin),
-                arguments(f),
-            ]
-        )
-        for f in plan.tools
-    ]
-    call = st.TagFormat(
-        begin=st.TokenFormat(token=tokens.call_begin),
-        content=heads[0] if len(heads) == 1 else st.OrFormat(elements=heads),
-        end=st.TokenFormat(token=tokens.call_end),
-    )
-    calls = st.RepeatFormat(min=1, max=MAX_CALLS if plan.parallel and plan.choice != "named" else 1, content=call)
-    if plan.choice == "auto":
-        section = st.TagFormat(
-            begin=st.TokenFormat(token=tokens.section_begin),
-            content=calls,
-            end=st.TokenFormat(token=tokens.section_end),
-        )
-        others = [tokens.section_end, tokens.call_begin, tokens.argument_begin, tokens.call_end]
-        return st.TokenTriggeredTagsFormat(
-            trigger_tokens=[tokens.section_begin], tags=[section], exclude_tokens=others, stop_after_first=True
-        )
-    begin, end = st.TokenFormat(token=tokens.section_begin), st.TokenFormat(token=tokens.section_end)
-    return st.SequenceFormat(elements=[begin, calls, end])

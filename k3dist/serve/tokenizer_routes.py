@@ -12,25 +12,14 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from ..base.errors import K3Error
+from ..text.chat import render_chat
+from .chat_prompt import rendering
 from .errors import bad
-from .protocol import _Body, parse_body
+from .fields import refuse_unserved
+from .protocol import parse_body
+from .schema import DetokenizeRequest, TokenizeRequest
 
 PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # keyed like /v1 (app.py's _Auth)
-
-
-class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    tools: list[dict] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
 
 
 def add_tokenizer_routes(app: FastAPI, front, read_body) -> None:
@@ -38,7 +27,10 @@ def add_tokenizer_routes(app: FastAPI, front, read_body) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = await run_in_threadpool(parse_body, await read_body(request, front.max_body), TokenizeRequest)
+        req = await run_in_threadpool(
+            parse_body, await read_body(request, front.max_body), TokenizeRequest, front.unknown
+        )
+        refuse_unserved(req)
         _check_model(front, req.model)
         tokens = await run_in_threadpool(_tokenize, front, req)
         body = {"count": len(tokens), "max_model_len": front.cap, "tokens": tokens}
@@ -48,7 +40,9 @@ def add_tokenizer_routes(app: FastAPI, front, read_body) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = await run_in_threadpool(parse_body, await read_body(request, front.max_body), DetokenizeRequest)
+        req = await run_in_threadpool(
+            parse_body, await read_body(request, front.max_body), DetokenizeRequest, front.unknown
+        )
         _check_model(front, req.model)
         if out := [t for t in req.tokens if t < 0 or t >= front.vocab]:
             raise bad(f"token ids {out[:5]} are outside the vocabulary (0..{front.vocab - 1})", "tokens")
@@ -65,21 +59,22 @@ def _check_model(front, model: str | None) -> None:
 
 
 def _tokenize(front, req: TokenizeRequest) -> list[int]:
-    from ..text.chat import render_chat
-
+    """A prompt's ids (any length within serve.max_body, as vLLM counts a document's tokens), or messages' through
+    the checkpoint's template (their render is bounded as a chat prompt's is)."""
     if (req.prompt is None) == (req.messages is None):
         raise bad("a tokenize request has either a prompt or messages", "prompt" if req.prompt is None else "messages")
     tok = front.text.tokenizer
     if req.prompt is not None:
-        return tok.encode(req.prompt)
+        return tok.encode_any(req.prompt)
     if front.text.template is None:
         raise bad(f"{front.text.model_dir} has no chat template to render messages with", "messages")
     template, source = front.text.template
+    options = rendering(front.text, req)
     try:
-        text = render_chat(template, source, req.messages, req.tools, req.add_generation_prompt, **tok.named_tokens)
+        text = render_chat(template, source, req.messages, req.tools, **options, **tok.named_tokens)
     except K3Error as exc:
         raise bad(str(exc), "messages") from None
-    return tok.encode(text)
+    return tok.encode_any(text)
 
 
 def info(front) -> dict:

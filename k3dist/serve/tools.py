@@ -1,54 +1,69 @@
-"""Kimi's tool calls: the five tokens (found by name in the checkpoint's tokenizer), the request's `tools` and
-`tool_choice` checked, and the model's output parsed into OpenAI's `tool_calls`, whole or as stream deltas.
+"""Tool calls: the checkpoint's chat format (chosen once, from its tokenizer's special tokens and its template), the
+request's `tools` and `tool_choice` checked, and each choice's output read into OpenAI's content, reasoning and
+`tool_calls`, whole or as stream deltas.
 
-The format: content, then `<|tool_calls_section_begin|>`, then per call `<|tool_call_begin|>functions.NAME:IDX
-<|tool_call_argument_begin|>{JSON}<|tool_call_end|>`, then `<|tool_calls_section_end|>`. The tool tokens are not
-special in Kimi's tokenizer, so they stay in the decoded text, and the parser reads text. It tolerates what engines
-met in the wild: the singular section token, a missing section begin or end, a missing call end at the end of the
-output, ids without `functions.`. A call that does not parse (no argument marker, an id that is not a name, arguments
-that are not JSON) is returned as content, never an error; text after the section ends is dropped.
+Two formats implement one interface (ToolFormat), docs/tool-calls.md sets them side by side:
+- `kimi_k2` (tools_k2.py), Kimi-Linear's: calls in a section of five tool tokens after the content, arguments as
+  JSON; the parser runs when a request may make calls.
+- `kimi_k3` (tools_k3.py), K3's: the whole answer in tags (thinking, response, tools), arguments one tag per key; the
+  parser runs on every chat answer, as only it can tell the thinking from the response.
 
-A whole answer is the stream parser fed the whole text at once, so streamed deltas always add up to it. A call is
-sent once it is complete (its end, the next call or the section's end, or the end of the output): a first delta with
-its index, id, type and name, then one with its arguments.
+Rendering is the checkpoint's template's job; a format parses (whole, and streamed with deltas that add up to the
+whole: the whole is the stream parser fed the whole text at once), says how its calls are constrained for `required`
+and a named tool (structured.py compiles it with xgrammar) and names its calls' ids. A call that does not parse is
+returned as content, never an error. A call is sent once it is complete: a first delta with its index, id, type and
+name, then one with its whole arguments.
 """
 
-import json
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import bad
+from .tools_k2 import TOKENS, K2Format
+from .tools_k3 import MARKUP, K3Format
 
-SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-TOKENS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
-SECTION_BEGINS = (SECTION_BEGIN, "<|tool_call_section_begin|>")  # the singular one is met in the wild
-SECTION_ENDS = (SECTION_END, "<|tool_call_section_end|>")
-STARTS = (*SECTION_BEGINS, CALL_BEGIN)  # where content ends and calls begin
-CALL_ID = re.compile(r"(?:functions\.)?([\w.\-]+?)(?::(\d+))?")
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_TOOLS = 128
+MAX_CALLS = 16  # tool calls in one answer under a grammar (so even random weights end it)
+FORMATS = (K2Format, K3Format)  # when a tokenizer holds both, the one the template is written in; else the first
+__all__ = ["TOKENS", "ToolFormat", "ToolPlan", "ToolCalls", "tool_plan", "chat_format"]
 
 
-@dataclass(frozen=True)
-class ToolTokens:
-    """The ids of Kimi's five tool tokens in this checkpoint's tokenizer."""
+class Stream(Protocol):
+    calls: list[dict]
 
-    section_begin: int
-    section_end: int
-    call_begin: int
-    argument_begin: int
-    call_end: int
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
+        """More of the output: (content, reasoning, call deltas) newly known."""
 
-    @staticmethod
-    def find(tokenizer) -> "ToolTokens | None":
-        """By name in the tokenizer's files; None when any is missing (the checkpoint makes no tool calls)."""
-        ids = [tokenizer.backend.token_id(name) for name in TOKENS]
-        return None if None in ids else ToolTokens(*ids)
 
-    @property
-    def ids(self) -> tuple[int, ...]:
-        return (self.section_begin, self.section_end, self.call_begin, self.argument_begin, self.call_end)
+class ToolFormat(Protocol):
+    """How a checkpoint's answers are written: one value per checkpoint, chosen by `chat_format`."""
+
+    name: str
+    always: bool  # every chat answer is read by the parser (K3's tags), not only one that may make calls
+    refused: tuple[int, ...]  # ids that cannot appear under tool_choice none (biased to -inf)
+    token_ids: frozenset[int]  # ids a grammar names by id only (no text grammar reaches them)
+    text_ids: frozenset[int]  # special ids a grammar reads as their text (K3's markup)
+
+    def stream(self, calls: bool, parallel: bool, opened: str, tools: tuple[dict, ...] = ()) -> Stream:
+        """A parser of one choice's output; `calls`: tool calls are read (else their text is content); `opened`:
+        where the prompt left the answer (`opening`); `tools`: the function objects calls may name."""
+
+    def opening(self, tokenizer, prompt_ids) -> str:
+        """Where the prompt leaves the answer: in K3's think or response tag, or at a new message ("start")."""
+
+    def tag(self, plan: "ToolPlan | None", inner, opened: str):
+        """An xgrammar structural-tag format for the answer: the calls `plan` asks for, or `inner` (a structured
+        output's format) where the answer's text goes; None where `inner` is compiled alone."""
+
+
+def chat_format(tokenizer, template: str | None = None) -> ToolFormat | None:
+    """The checkpoint's format: the one whose tokens its tokenizer holds (the one its template is written in, when
+    it holds both); None when it holds neither (it makes no tool calls)."""
+    found = [f for kind in FORMATS if tokenizer is not None and (f := kind.find(tokenizer)) is not None]
+    written = [f for f in found if template is not None and f.written_in(template)]
+    return (written or found or [None])[0]
 
 
 @dataclass(frozen=True)
@@ -63,17 +78,22 @@ class ToolPlan:
     def calls(self) -> bool:
         return self.choice != "none"
 
+    @property
+    def most(self) -> int:
+        """The most calls one answer holds under a grammar."""
+        return MAX_CALLS if self.parallel and self.choice != "named" else 1
 
-def tool_plan(tools: list | None, tool_choice, parallel: bool, tokens: ToolTokens | None) -> ToolPlan | None:
+
+def tool_plan(tools: list | None, tool_choice, parallel: bool, form: ToolFormat | None) -> ToolPlan | None:
     """`tools` and `tool_choice` checked (a 400 naming the field otherwise); None when the request has no tools."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise bad("tool_choice needs tools", "tool_choice")
         return None
-    if tokens is None:
+    if form is None:
         raise bad(
-            "this checkpoint's tokenizer has no tool-call tokens (" + ", ".join(TOKENS) + "): it cannot make tool "
-            "calls, so requests with tools are refused",
+            f"this checkpoint's tokenizer has no tool-call tokens (neither Kimi's {', '.join(TOKENS)} nor K3's "
+            f"{', '.join(MARKUP)}): it cannot make tool calls, so requests with tools are refused",
             "tools",
         )
     if len(tools) > MAX_TOOLS:
@@ -110,108 +130,34 @@ def tool_plan(tools: list | None, tool_choice, parallel: bool, tokens: ToolToken
     return ToolPlan(tuple(functions), choice, parallel)
 
 
-def _call(head: str, arguments: str, index: int) -> dict | None:
-    """One call as OpenAI gives it, or None when it does not parse."""
-    m = CALL_ID.fullmatch(head.strip())
-    try:
-        json.loads(arguments)
-    except ValueError:
-        return None
-    if m is None or not arguments.strip():
-        return None
-    name, idx = m.group(1), m.group(2)
-    call_id = f"functions.{name}:{idx if idx is not None else index}"
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments.strip()}}
-
-
-class ToolStream:
-    """One choice's output, text in, (content, tool-call deltas) out."""
-
-    def __init__(self, parallel: bool = True):
-        self.parallel = parallel
-        self.text = ""
-        self.sent = 0  # characters of content sent (before the calls begin)
-        self.start: int | None = None  # where the calls begin in the text
-        self.pieces = 0  # calls (and what stood in their place) dealt with
-        self.calls: list[dict] = []
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        self.text += text
-        content = ""
-        if self.start is None:
-            at = [i for m in STARTS if (i := self.text.find(m, self.sent)) >= 0]
-            if at:
-                self.start = min(at)
-                content, self.sent = self.text[self.sent : self.start], self.start
-            else:
-                end = len(self.text) if final else len(self.text) - _held(self.text[self.sent :])
-                content, self.sent = self.text[self.sent : end], end
-                return content, []
-        more, deltas = self._calls(final)
-        return content + more, deltas
-
-    def finish(self) -> tuple[str, list[dict]]:
-        return self.feed("", final=True)
-
-    def _calls(self, final: bool) -> tuple[str, list[dict]]:
-        body = self.text[self.start :]
-        for m in SECTION_BEGINS:
-            if body.startswith(m):
-                body = body[len(m) :]
-        ends = [i for m in SECTION_ENDS if (i := body.find(m)) >= 0]
-        closed = bool(ends)
-        body = body[: min(ends)] if ends else body
-        pieces = body.split(CALL_BEGIN)[1:]  # what stands before the first call is dropped, as after the section
-        content, deltas = "", []
-        while self.pieces < len(pieces):
-            piece, last = pieces[self.pieces], self.pieces == len(pieces) - 1
-            if last and not (closed or final or CALL_END in piece):
-                break
-            self.pieces += 1
-            written, ended, _ = piece.partition(CALL_END)  # what follows a call's end before the next is dropped
-            head, marker, arguments = written.partition(ARGUMENT_BEGIN)
-            call = _call(head, arguments, len(self.calls)) if marker else None
-            if call is None or (self.calls and not self.parallel):
-                content += CALL_BEGIN + written + ended
-                continue
-            index = len(self.calls)
-            self.calls.append(call)
-            first = {"index": index, "id": call["id"], "type": "function"}
-            deltas.append(first | {"function": {"name": call["function"]["name"], "arguments": ""}})
-            deltas.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
-        return content, deltas
-
-
-def _held(text: str) -> int:
-    """How many trailing characters could still become the start of a call marker."""
-    for size in range(min(len(text), max(map(len, STARTS)) - 1), 0, -1):
-        if any(m.startswith(text[-size:]) for m in STARTS):
-            return size
-    return 0
-
-
 class ToolCalls:
-    """The tool-call view of every choice of one chat request."""
+    """The parsed view of every choice of one chat request: content, reasoning and tool calls."""
 
-    def __init__(self, choices: int, parallel: bool):
-        self.streams = [ToolStream(parallel) for _ in range(choices)]
+    def __init__(self, form: ToolFormat, choices: int, calls: bool, parallel: bool, opened: str, tools=()):
+        self.streams = [form.stream(calls, parallel, opened, tools) for _ in range(choices)]
 
-    def delta(self, i: int, text: str, finish: str | None) -> tuple[str, list[dict], str | None]:
-        """A streamed event's (content, tool_calls deltas, finish_reason)."""
+    @staticmethod
+    def of(form: ToolFormat | None, plan: ToolPlan | None, choices: int, opened: str) -> "ToolCalls | None":
+        """The view a request's answers need; None where they are taken as they are (K2's without calls)."""
+        calls = plan is not None and plan.calls
+        if form is None or not (calls or form.always):
+            return None
+        parallel, tools = (plan.parallel, plan.tools) if plan is not None else (True, ())
+        return ToolCalls(form, choices, calls, parallel, opened, tools)
+
+    def delta(self, i: int, text: str, finish: str | None) -> tuple[str, str, list[dict], str | None]:
+        """A streamed event's (content, reasoning, tool_calls deltas, finish_reason)."""
         stream = self.streams[i]
-        content, deltas = stream.feed(text)
-        if finish is not None:
-            more, last = stream.finish()
-            content, deltas = content + more, deltas + last
-        return content, deltas, _finish(finish, stream)
+        content, reasoning, deltas = stream.feed(text, final=finish is not None)
+        return content, reasoning, deltas, _finish(finish, stream)
 
-    def whole(self, i: int, text: str, finish: str | None) -> tuple[str | None, list[dict], str | None]:
-        """A whole choice's (content, tool_calls, finish_reason); content None when there are calls and no text."""
+    def whole(self, i: int, text: str, finish: str | None) -> tuple[str | None, str, list[dict], str | None]:
+        """A whole choice's (content, reasoning, tool_calls, finish_reason); content None when there are calls and
+        no text."""
         stream = self.streams[i]
-        content, _ = stream.feed(text)
-        content += stream.finish()[0]
-        return (content or None) if stream.calls else content, list(stream.calls), _finish(finish, stream)
+        content, reasoning, _ = stream.feed(text, final=True)
+        return (content or None) if stream.calls else content, reasoning, list(stream.calls), _finish(finish, stream)
 
 
-def _finish(finish: str | None, stream: ToolStream) -> str | None:
+def _finish(finish: str | None, stream: Stream) -> str | None:
     return "tool_calls" if finish == "stop" and stream.calls else finish

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.utils import Namespace
 
@@ -59,39 +60,72 @@ def render_chat(
     add_generation_prompt: bool = True,
     time_limit_s: float = RENDER_LIMIT_S,
     max_chars: int = RENDER_MAX_CHARS,
+    *,
+    documents: list | None = None,
+    variables: dict | None = None,
+    continue_final: bool = False,
     **special,
 ) -> str:
     """The prompt text for `messages`, as transformers' apply_chat_template(..., tokenize=False) renders it.
 
-    `special` holds the template variables transformers passes from the tokenizer (bos_token, eos_token, ...).
-    Rendering stops with an error after `time_limit_s` (a template looping over hostile input never hangs a rank)
-    or once it would build more than `max_chars` characters, in any value or in its output (sandbox.py).
+    `special` holds the template variables transformers passes from the tokenizer (bos_token, eos_token, ...);
+    `variables` more of them (a request's chat_template_kwargs), `documents` its documents. `continue_final`: the
+    text ends where the last message's text does (its turn left open for the model to continue, as transformers'
+    continue_final_message). Rendering stops with an error after `time_limit_s` (a template looping over hostile
+    input never hangs a rank) or once it would build more than `max_chars` characters, in any value or in its output
+    (sandbox.py).
     """
     if problem := messages_problem(messages):
         raise K3Error(f"chat messages: {problem}")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise K3Error(f"chat tools must be a list of JSON objects (function schemas), got {_kind(tools)}")
     try:
-        data = json.loads(json.dumps({"messages": messages, "tools": tools, "special": special}))
+        plain = {"messages": messages, "tools": tools, "documents": documents, "special": special | (variables or {})}
+        data = json.loads(json.dumps(plain))
     except (TypeError, ValueError) as exc:
         raise K3Error(f"chat messages, tools and template variables must be plain JSON data ({exc})") from None
     chat = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in data["messages"]]
     compiled = _compile(template, source)
     limits.at, limits.chars = time.monotonic() + time_limit_s, max_chars
     try:
-        args = dict(messages=chat, tools=data["tools"], documents=None, add_generation_prompt=add_generation_prompt)
+        args = dict(messages=chat, tools=data["tools"], documents=data["documents"])
         out, size = [], 0
-        for piece in compiled.generate(**args, **data["special"]):
+        for piece in compiled.generate(**data["special"], **args, add_generation_prompt=add_generation_prompt):
             size += len(piece)
             if size > max_chars:
                 raise RenderTooLarge(f"the rendered prompt passes {max_chars} characters, the most a prompt may have")
             out.append(piece)
-        return "".join(out)
+        text = "".join(out)
     except Exception as exc:  # anything the template does wrong is the template's error, reported in one line
         cause = exc.message if isinstance(exc, jinja2.TemplateError) and exc.message else f"{type(exc).__name__}: {exc}"
         raise K3Error(f"{_where(source, _template_line(exc))} chat template failed: {cause}") from None
     finally:
         limits.at = limits.chars = None
+    return _left_open(text, chat[-1]) if continue_final else text
+
+
+def _left_open(text: str, last: dict) -> str:
+    """The render cut right after the last message's text, as transformers cuts it for continue_final_message."""
+    content = last.get("content")
+    if isinstance(content, list):
+        content = next((part["text"] for part in reversed(content) if "text" in part), None)
+    if not isinstance(content, str) or content.strip() not in text:
+        raise K3Error("continue_final_message: the last message's text does not appear in the rendered chat")
+    at = text.rindex(content.strip())
+    kept = content.lstrip() if text[at : at + len(content.lstrip())] == content.lstrip() else content.strip()
+    return text[: at + len(kept)]
+
+
+def template_variables(template: str, source: str) -> frozenset[str]:
+    """The variables a template reads from its context (what a request's chat_template_kwargs or documents can
+    change; any other is refused rather than dropped)."""
+    return _variables(template, source)
+
+
+@lru_cache(maxsize=16)
+def _variables(template: str, source: str) -> frozenset[str]:
+    _compile(template, source)  # a syntax error is said once, as a render would say it
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
 
 
 def _with_reasoning_aliases(message: dict) -> dict:

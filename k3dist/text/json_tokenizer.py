@@ -46,7 +46,9 @@ class JsonTokenizer:
             self.tokenizer = HFTokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises plain Exception for every malformed file
             raise K3Error(f"{path}: not a tokenizers file ({str(exc)[:300]})") from None
-        self.special_ids = {t.content: i for i, t in sorted(self.tokenizer.get_added_tokens_decoder().items())}
+        added = sorted(self.tokenizer.get_added_tokens_decoder().items())
+        self.special_ids = {t.content: i for i, t in added}
+        self.marked_special = frozenset(i for i, t in added if t.special)
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         if not vocab:
             raise K3Error(f"{path}: holds no tokens")

@@ -111,9 +111,13 @@ def pieces(text: str) -> Iterator[str]:
 class KimiTiktoken:
     """A `tiktoken.Encoding` over the ranks with Kimi's pattern and special tokens, every special allowed."""
 
-    def __init__(self, ranks_path: Path, added: dict[int, str], added_source: Path):
+    def __init__(
+        self, ranks_path: Path, added: dict[int, str], added_source: Path, plain: frozenset[int] = frozenset()
+    ):
+        """`plain`: added ids not marked special (the special block's others are: skip_special_tokens drops them)."""
         ranks = read_ranks(ranks_path)
         self.special_ids = special_tokens(added, len(ranks), added_source)
+        self.marked_special = frozenset(self.special_ids.values()) - plain
         self.encoding = tiktoken.Encoding(
             name=f"kimi:{ranks_path}", pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=self.special_ids
         )

@@ -13,7 +13,8 @@ from ..base.outfiles import atomic_write
 from .chat import messages_problem
 
 INPUTS = ("prompt", "messages", "ids")
-SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING = ("temperature", "top_p", "top_k", "seed")  # SamplingParams fields a line sets (engine/sampling.py: DOORS)
+SETTINGS = ("max_new_tokens", *SAMPLING, "stop")
 KEYS = ("id", *INPUTS, "tools", *SETTINGS)
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 

@@ -16,13 +16,24 @@ from .tokenizer import Tokenizer
 class TextAssembler:
     """Assembles one sequence's text. Everything feed() and finish() return, joined, equals `.text`."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_ids: Collection[int] = ()):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        skip_ids: Collection[int] = (),
+        spaced_ids: Collection[int] = (),
+    ):
+        """`skip_ids` add no text (eos; the special tokens too under skip_special_tokens); `spaced_ids`: tokens set
+        apart by a space from the text beside them (vLLM's spaces_between_special_tokens for a tokenizer such as
+        Kimi's: the text is its pieces, each run of other tokens and each of these, joined by spaces)."""
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         self._tokenizer = tokenizer
         self._stops = tuple(dict.fromkeys(stop))
         self._longest = max(map(len, self._stops), default=0)
         self._skip = frozenset(int(i) for i in skip_ids)
+        self._spaced = frozenset(int(i) for i in spaced_ids)
+        self._last_spaced: bool | None = None  # whether the last piece of text was a spaced token (None: no text yet)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._printed: list[str] = []  # text already returned
         self._held = ""  # text decoded but held back: it may still become a stop string
@@ -54,6 +65,11 @@ class TextAssembler:
             if token_id in self._skip:
                 continue
             new = self._decoder.decode(self._tokenizer.decode_bytes([token_id]))
+            if new and self._spaced:
+                spaced = token_id in self._spaced
+                if self._last_spaced is not None and (spaced or self._last_spaced):
+                    new = " " + new
+                self._last_spaced = spaced
             if new and self._add(pending, new, stops):
                 return self._print("".join(pending), hold=False), position
         return self._print("".join(pending), hold=True), None

@@ -2,6 +2,11 @@
 
 `tiktoken.model` (Kimi's own format) wins over `tokenizer.json`: conversions of Kimi checkpoints to `tokenizer.json`
 have been made with a generic cl100k-style pattern that splits CamelCase and Han/Latin text differently.
+
+K3 writes every answer in tags of three markup tokens (`<|open|>think<|sep|>...<|close|>think<|sep|>`, then the
+response's and the tool calls' tags): whatever flag the tokenizer's files give them, they stay in decoded text under
+skip_special_tokens, as Kimi's tool-call tokens do, since the server reads the answer's parts from them
+(docs/tool-calls.md).
 """
 
 from collections.abc import Sequence
@@ -18,10 +23,12 @@ TOKENIZER_CONFIG, GENERATION_CONFIG, MODEL_CONFIG = "tokenizer_config.json", "ge
 MAX_TOKEN_ID = 2**31  # token ids are int32 in the tokenizers' own tables
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 END_OF_TEXT = "[EOT]"
+MARKUP = ("<|open|>", "<|close|>", "<|sep|>")  # K3's tag markup: kept in decoded text whatever skip_special_tokens says
 
 
 class Backend(Protocol):
-    special_ids: dict[str, int]
+    special_ids: dict[str, int]  # every added token: text -> id
+    marked_special: frozenset[int]  # those the tokenizer's files mark special: what skip_special_tokens leaves out
     vocab_size: int
 
     max_token_chars: int  # the most characters of text one token covers
@@ -49,10 +56,17 @@ class Tokenizer:
         self.named_tokens = named_tokens  # bos_token/eos_token/... -> text, the variables chat templates expect
         self.source = source
         self.cap: int | None = None  # the cache.cap prompts are for (`hold`): longer texts are refused untokenized
+        self.markup = frozenset(i for name in MARKUP if (i := backend.token_id(name)) is not None)
 
     @property
     def special_ids(self) -> dict[str, int]:
         return self.backend.special_ids
+
+    @property
+    def marked_special(self) -> frozenset[int]:
+        """The ids marked special, less K3's markup (Kimi's tool-call tokens are not marked): what
+        skip_special_tokens leaves out of text."""
+        return self.backend.marked_special - self.markup
 
     @property
     def vocab_size(self) -> int:
@@ -75,6 +89,10 @@ class Tokenizer:
                 f"the prompt text has {len(text)} characters: more than cache.cap={self.cap} tokens of at most "
                 f"{self.backend.max_token_chars} characters each could hold ({self.max_chars})"
             )
+        return self.backend.encode(text)
+
+    def encode_any(self, text: str) -> list[int]:
+        """Text of any length (not held to `cap`: the tokenizer routes count a document's tokens, as vLLM does)."""
         return self.backend.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -101,7 +119,8 @@ def load_tokenizer(model_dir: str | Path, config: dict | None = None) -> Tokeniz
     tok_config_path = optional_file(model_dir, TOKENIZER_CONFIG, "the tokenizer config")
     tok_config = read_json_object(tok_config_path) if tok_config_path else {}
     if ranks:
-        backend: Backend = KimiTiktoken(ranks, added_tokens(tok_config, tok_config_path), tok_config_path or ranks)
+        added, plain = added_tokens(tok_config, tok_config_path), not_special(tok_config)
+        backend: Backend = KimiTiktoken(ranks, added, tok_config_path or ranks, plain)
     else:
         backend = JsonTokenizer(json_file)
     gen_path = optional_file(model_dir, GENERATION_CONFIG, "the generation config")
@@ -152,6 +171,13 @@ def added_tokens(tok_config: dict, source: Path | None) -> dict[int, str]:
             raise K3Error(f"{source}: added_tokens_decoder id {key} is beyond any vocabulary (ids must be < 2**31)")
         names[int(key)] = content
     return names
+
+
+def not_special(tok_config: dict) -> frozenset[int]:
+    """The added tokens tokenizer_config.json flags `"special": false` (Kimi's tool-call tokens): their text stays in
+    the output whatever skip_special_tokens says."""
+    raw = tok_config.get("added_tokens_decoder") or {}
+    return frozenset(int(k) for k, v in raw.items() if isinstance(v, dict) and v.get("special") is False)
 
 
 def named_tokens(tok_config: dict, source: Path | None) -> dict[str, str]:

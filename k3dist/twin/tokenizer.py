@@ -3,9 +3,14 @@
 No package ships Kimi's vocabulary, so the twin trains a small byte-level BPE with Kimi's pattern on the corpus kept
 next to this file (`tokenizers`' BpeTrainer: about 0.1 s, and the same merges in every process), then fills the rest
 of the base ranks with concatenations of trained tokens: the random model emits every id below vocab_size, so every
-one must decode to text. Kimi's special tokens sit at Kimi's offsets in the last 256 ids, its five tool-call tokens
-among them (flagged not special, as Kimi flags them), so the twin's chat template renders tool calls and results the
-way Kimi's does and a server on the twin makes tool calls.
+one must decode to text. The special tokens sit at the model family's offsets in the last 256 ids, in one of two
+chat formats (docs/tool-calls.md):
+- `kimi_k2` (Kimi-Linear's): the `<|im_...|>` turn tokens and Kimi's five tool-call tokens (flagged not special, as
+  Kimi flags them), with chat_template.jinja;
+- `kimi_k3` (K3's): `<|end_of_msg|>` where `<|im_end|>` was, the `<|open|>`, `<|close|>`, `<|sep|>` markup K3 writes
+  its messages, thinking, answers and tool calls in, K3's media tokens, with k3_chat_template.jinja (the twin's own
+  template in K3's format, rendering what K3's does for every feature the server serves).
+So a server on the twin renders chats and tool calls the way the family's checkpoints do, and makes tool calls.
 """
 
 import base64
@@ -21,8 +26,11 @@ from ..text.json_tokenizer import byte_level_chars
 from ..text.kimi_bpe import PATTERN, SPECIAL_BLOCK
 
 TWIN_TOKENIZER_VERSION = 2  # part of the twin cache key: bump when the files written here change
+K3_TOKENIZER_VERSION = 1  # part of a K3 twin's key too: bump when what the kimi_k3 format writes changes
 CORPUS = Path(__file__).with_name("corpus.txt")
 TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+K3_TEMPLATE = Path(__file__).with_name("k3_chat_template.jinja")
+KIMI_K2, KIMI_K3 = "kimi_k2", "kimi_k3"  # the chat formats
 # Offset in the special block -> token, as in Kimi-Linear's tokenizer_config.json.
 KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 9: "[EOT]"}
 KIMI_SPECIALS |= {10: "<|im_system|>", 17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}
@@ -32,6 +40,16 @@ KIMI_TOOL_TOKENS = {
     13: "<|tool_call_begin|>",
     14: "<|tool_call_argument_begin|>",
     15: "<|tool_call_end|>",
+}
+# K3's special block: the turn end and the markup at offsets 2-5 (where Kimi's <|im_end|>, <|im_user|>,
+# <|im_assistant|> were), the media tokens at 18-21 (config.json's media_placeholder_token_id is block + 21).
+K3_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>"}
+K3_SPECIALS |= {6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>"}
+K3_SPECIALS |= {19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>", 65: "<osagent_mode>"}
+K3_SPECIALS |= {254: "[UNK]", 255: "[PAD]"}
+FORMATS = {  # chat format -> (special tokens, tokens flagged not special, the template)
+    KIMI_K2: (KIMI_SPECIALS, KIMI_TOOL_TOKENS, TEMPLATE),
+    KIMI_K3: (K3_SPECIALS, {}, K3_TEMPLATE),
 }
 MODEL_MAX_LENGTH = 1_048_576
 
@@ -89,24 +107,28 @@ def _is_text(token: bytes) -> bool:
     return True
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int, eos_token_id, bos_token_id) -> None:
+def write_tokenizer(
+    out_dir: str | Path, vocab_size: int, eos_token_id, bos_token_id, chat_format: str = KIMI_K2
+) -> None:
     """Write tiktoken.model, tokenizer_config.json, chat_template.jinja and generation_config.json into `out_dir`.
 
-    The base vocabulary is ids 0..vocab_size-257, the special block the last 256 ids (Kimi: 163584 + 256).
-    generation_config.json stops on the config's eos ids and on Kimi's <|im_end|> and [EOS].
+    The base vocabulary is ids 0..vocab_size-257, the special block the last 256 ids (Kimi: 163584 + 256), its
+    tokens and the template those of `chat_format` (kimi_k2 or kimi_k3). generation_config.json stops on the config's
+    eos ids and on the turn's end (block + 2: <|im_end|>, or K3's <|end_of_msg|>) and [EOS].
     """
     if vocab_size < 2 * SPECIAL_BLOCK:
         raise ValueError(f"the twin tokenizer needs vocab_size >= {2 * SPECIAL_BLOCK}, got {vocab_size}")
+    if chat_format not in FORMATS:
+        raise ValueError(f"chat_format must be one of {sorted(FORMATS)}, got {chat_format!r}")
+    specials, plain, template = FORMATS[chat_format]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     block = vocab_size - SPECIAL_BLOCK
     tokens = base_tokens(block)
     (out_dir / "tiktoken.model").write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for r, t in enumerate(tokens)))
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-    added = {str(block + offset): {"content": name, **flags, "special": True} for offset, name in KIMI_SPECIALS.items()}
-    added |= {
-        str(block + offset): {"content": name, **flags, "special": False} for offset, name in KIMI_TOOL_TOKENS.items()
-    }
+    added = {str(block + offset): {"content": name, **flags, "special": True} for offset, name in specials.items()}
+    added |= {str(block + offset): {"content": name, **flags, "special": False} for offset, name in plain.items()}
     added = dict(sorted(added.items(), key=lambda item: int(item[0])))
     tok_config = {
         "added_tokens_decoder": added,
@@ -119,10 +141,10 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, eos_token_id, bos_toke
     }
     _write_json(out_dir / "tokenizer_config.json", tok_config)
     declared = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id] if eos_token_id is not None else []
-    eos = list(dict.fromkeys([*declared, block + 2, block + 1]))  # + <|im_end|>, [EOS]
+    eos = list(dict.fromkeys([*declared, block + 2, block + 1]))  # + the turn's end, [EOS]
     gen_config = {"eos_token_id": eos} | ({"bos_token_id": bos_token_id} if bos_token_id is not None else {})
     _write_json(out_dir / "generation_config.json", gen_config)
-    shutil.copyfile(TEMPLATE, out_dir / "chat_template.jinja")
+    shutil.copyfile(template, out_dir / "chat_template.jinja")
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -13,7 +13,11 @@ experts). The loader places every rank-local slice straight into its place: no s
 from dataclasses import dataclass
 from functools import cache
 
-from ..config import ModelConfig
+import torch
+
+from ..config import ModelConfig, parse_config
+from .k3_config import KIMI_K3, K3TextConfig, model_variant, read_k3
+from .mxfp4 import GROUP
 
 # Tensors the model keeps in fp32 whatever the compute dtype (transformers `_keep_in_fp32_modules_strict`, fla).
 FP32_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")
@@ -32,6 +36,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (D,)
     out["lm_head.weight"] = (V, D)
     return out
+
+
+def checkpoint_tensors(raw: dict, dtype: torch.dtype, source: str = "config.json") -> dict[str, tuple]:
+    """Checkpoint name -> (shape, dtype) of the checkpoint a raw config.json describes, by its variant (decided once,
+    k3_config.model_variant). A Kimi-Linear twin holds every tensor in `dtype`."""
+    if model_variant(raw) == KIMI_K3:
+        return k3_tensors(read_k3(raw, source), dtype)
+    return {name: (shape, dtype) for name, shape in expected_tensors(parse_config(raw, source)).items()}
 
 
 def _kda(cfg: ModelConfig) -> dict:
@@ -138,4 +150,109 @@ def placements(cfg: ModelConfig) -> dict[str, Placement]:
                 out[f"{x}{e}.w1.weight"] = Placement(x + "w13", slot=e, part=0)
                 out[f"{x}{e}.w3.weight"] = Placement(x + "w13", slot=e, part=1)
                 out[f"{x}{e}.w2.weight"] = Placement(x + "w2", slot=e)
+    return out
+
+
+# --- Kimi K3: the text model under `language_model.`, in K3's own dtypes -----------------------------------------
+
+K3_PREFIX = "language_model."
+A_LOG_SLOTS = 128  # K3 stores A_log as [128] whatever its head count; the first num_heads entries are real
+K3_FP32 = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")  # F32 on disk
+PACKED, SCALE = "weight_packed", "weight_scale"
+
+
+def k3_tensors(cfg: K3TextConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple]:
+    """Checkpoint name -> (shape, dtype) of a K3 checkpoint's text model, in checkpoint order. Tensors K3 keeps in
+    F32 stay F32, the rest take `dtype` (K3: bf16); routed experts are uint8 MXFP4 pairs when the config says so."""
+    logical = k3_logical_tensors(cfg, dtype)
+    if not cfg.mxfp4_experts:
+        return logical
+    out = {}
+    for name, entry in logical.items():
+        if is_routed_expert(name):
+            out.update(mxfp4_entries(name, entry[0]))
+        else:
+            out[name] = entry
+    return out
+
+
+def k3_logical_tensors(cfg: K3TextConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple]:
+    """As k3_tensors, with every routed expert as its logical `.weight` [out, in] in `dtype` (what MXFP4 packs)."""
+    D, V, p = cfg.hidden_size, cfg.vocab_size, K3_PREFIX + "model."
+    shapes: dict[str, tuple[int, ...]] = {p + "embed_tokens.weight": (V, D)}
+    for spec in cfg.layers:
+        layer = f"{p}layers.{spec.index}."
+        shapes |= {layer + k: s for k, s in _k3_residual(D).items()}
+        mixer = _k3_kda(cfg) if spec.mixer == "kda" else _k3_mla(cfg)
+        shapes |= {layer + "self_attn." + k: s for k, s in mixer.items()}
+        shapes |= {layer + k: s for k, s in (_dense(cfg) if spec.mlp == "dense" else _k3_moe(cfg)).items()}
+    shapes |= {
+        p + "norm.weight": (D,),
+        p + "output_attn_res_norm.weight": (D,),
+        p + "output_attn_res_proj.weight": (1, D),
+    }
+    shapes[K3_PREFIX + "lm_head.weight"] = (V, D)
+    return {name: (shape, torch.float32 if name.endswith(K3_FP32) else dtype) for name, shape in shapes.items()}
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".block_sparse_moe.experts." in name
+
+
+def mxfp4_entries(name: str, shape: tuple[int, ...]) -> dict[str, tuple]:
+    """A logical `...weight` [out, in] -> its `weight_packed` [out, in/2] and `weight_scale` [out, in/32], uint8."""
+    out_dim, in_dim = shape
+    if in_dim % GROUP:
+        raise ValueError(f"{name}: input dim {in_dim} is not a multiple of MXFP4's group of {GROUP}")
+    base = name.removesuffix("weight")
+    return {
+        base + PACKED: ((out_dim, in_dim // 2), torch.uint8),
+        base + SCALE: ((out_dim, in_dim // GROUP), torch.uint8),
+    }
+
+
+def _k3_residual(D: int) -> dict:
+    """Per layer: the two norms, and each block-attention-residual site's norm and score projection."""
+    out = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    for site in ("self_attention_res", "mlp_res"):
+        out |= {f"{site}_norm.weight": (D,), f"{site}_proj.weight": (1, D)}
+    return out
+
+
+def _k3_kda(cfg: K3TextConfig) -> dict:
+    D, H, d, K = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.conv_kernel
+    P = H * d
+    out = {f"{n}_proj.weight": (P, D) for n in "qkv"}
+    out |= {f"{n}_conv1d.weight": (P, 1, K) for n in "qkv"}
+    out |= {"f_a_proj.weight": (d, D), "f_b_proj.weight": (P, d), "b_proj.weight": (H, D)}
+    out |= {"A_log": (max(A_LOG_SLOTS, H),), "dt_bias": (P,), "g_proj.weight": (P, D)}
+    return out | {"o_norm.weight": (d,), "o_proj.weight": (D, P)}
+
+
+def _k3_mla(cfg: K3TextConfig) -> dict:
+    D, Ha, r, dr, q = cfg.hidden_size, cfg.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.q_lora_rank
+    return {
+        "q_a_proj.weight": (q, D),
+        "q_a_layernorm.weight": (q,),
+        "q_b_proj.weight": (Ha * (cfg.qk_nope_dim + dr), q),
+        "kv_a_proj_with_mqa.weight": (r + dr, D),
+        "kv_a_layernorm.weight": (r,),
+        "kv_b_proj.weight": (Ha * (cfg.qk_nope_dim + cfg.v_head_dim), r),
+        "g_proj.weight": (Ha * cfg.v_head_dim, D),
+        "o_proj.weight": (D, Ha * cfg.v_head_dim),
+    }
+
+
+def _k3_moe(cfg: K3TextConfig) -> dict:
+    D, E, Ie, Z = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.latent_size
+    Is = Ie * cfg.num_shared_experts  # the shared MLP's width
+    p = "block_sparse_moe."
+    out = {p + "gate.weight": (E, D), p + "gate.e_score_correction_bias": (E,)}
+    out |= {p + "routed_expert_down_proj.weight": (Z, D), p + "routed_expert_norm.weight": (Z,)}
+    out[p + "routed_expert_up_proj.weight"] = (D, Z)
+    out |= {p + f"shared_experts.{n}_proj.weight": (Is, D) for n in ("gate", "up")}
+    out[p + "shared_experts.down_proj.weight"] = (D, Is)
+    for e in range(E):
+        x = f"{p}experts.{e}."
+        out |= {x + "w1.weight": (Ie, Z), x + "w2.weight": (Z, Ie), x + "w3.weight": (Ie, Z)}
     return out

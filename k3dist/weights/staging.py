@@ -8,6 +8,8 @@ else is read straight into the weights.
 
 import torch
 
+from ..base import compat
+
 
 def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -16,7 +18,7 @@ def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
 def release_pinned() -> None:
     """Give cached pinned memory back to the system: torch keeps freed pinned blocks for reuse, which would hold the
     ring's host memory for the whole job."""
-    torch.accelerator.empty_host_cache()
+    compat.empty_host_cache()
 
 
 class Slot:

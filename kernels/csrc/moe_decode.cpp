@@ -1,9 +1,10 @@
 // A decode MoE block for the CPU as one op, from the router's logits on: sigmoid, correction bias for the choice,
-// top-k, renormalised weights, the chosen experts' SwiGLU read straight from the stacked weights, and the shared
+// top-k, renormalised weights, the chosen experts' gated MLPs read straight from the stacked weights, and the shared
 // expert. The torch path (kernels/moe.py experts_gathered) copies each chosen expert's weights out with index_select
 // and runs ~40 small ops per layer; this reads every weight byte once, in two parallel regions (gate/up rows, then
-// down rows). Roundings follow the reference: each GEMV output, SiLU and the SiLU x up product round to the compute
-// dtype; routing and the weighted sum are fp32.
+// down rows). The activation is a value (kernels/activation.py: SiLU, or SiTU with its betas), chosen once per call.
+// Roundings follow the reference: each GEMV output, SiLU and the SiLU x up product (SiTU: its fp32 result) round to
+// the compute dtype; routing and the weighted sum are fp32.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +20,20 @@ namespace {
 
 using k3::dot;
 using k3::rnd;
+
+template <typename T>
+struct Silu {  // torch's F.silu(gate) * up in the compute dtype
+  float operator()(float g, float u) const { return rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * u); }
+};
+
+template <typename T>
+struct Situ {  // activation.py's SiTU: fp32, llama.cpp's operations in its order, rounded once
+  float beta, inv, linear_beta, linear_inv;
+  float operator()(float g, float u) const {
+    const float a = std::tanh(g * inv) * beta * (1.0f / (1.0f + std::exp(-g)));
+    return rnd<T>(a * (std::tanh(u * linear_inv) * linear_beta));
+  }
+};
 
 struct Route {
   std::vector<int64_t> ids;
@@ -50,10 +65,10 @@ Route route(const float* logits, const float* bias, int64_t E, int64_t k, bool r
   return r;
 }
 
-template <typename T>
+template <typename T, typename Act>
 void run(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& w13,
          const at::Tensor& w2, const T* s13, const T* s2, int64_t Is, int64_t k, bool renormalize, float scale,
-         bool biased, at::Tensor& out) {
+         bool biased, const Act& act_fn, at::Tensor& out) {
   const int64_t N = x.size(0), D = x.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
   const int64_t rows_a = k * I2 + 2 * Is, rows_b = k * I + Is;  // per token: gate/up rows; down inputs
   std::vector<Route> routes;
@@ -73,16 +88,13 @@ void run(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& bias, 
       h[t] = rnd<T>(dot(w, xs.data() + n * D, D));
     }
   });
-  for (int64_t n = 0; n < N; ++n) {  // SwiGLU activations: gate rows first, then up rows, per expert
+  for (int64_t n = 0; n < N; ++n) {  // the activations: gate rows first, then up rows, per expert
     for (int64_t j = 0; j <= k; ++j) {
       const int64_t width = j < k ? I : Is;
       if (!width) continue;
       const float* gu = h.data() + n * rows_a + j * I2;
       float* a = act.data() + n * rows_b + j * I;
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = gu[i];
-        a[i] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * gu[width + i]);
-      }
+      for (int64_t i = 0; i < width; ++i) a[i] = act_fn(gu[i], gu[width + i]);
     }
   }
   float* out_p = out.data_ptr<float>();
@@ -102,10 +114,11 @@ void run(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& bias, 
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& w13,
                       const at::Tensor& w2, const std::optional<at::Tensor>& shared13,
                       const std::optional<at::Tensor>& shared2, int64_t top_k, bool renormalize, double scale,
-                      bool biased) {
+                      bool biased, int64_t act, double beta, double linear_beta) {
   TORCH_CHECK(x.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(), "moe_decode: inputs");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous() && bias.scalar_type() == at::kFloat, "moe_decode: weights");
   TORCH_CHECK(top_k >= 1 && top_k <= w13.size(0), "moe_decode: top_k");
+  TORCH_CHECK(act == 0 || (act == 1 && beta > 0 && linear_beta > 0), "moe_decode: act 0 (SiLU) or 1 (SiTU, betas > 0)");
   auto out = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
   auto b = bias.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w13.scalar_type(), "moe_decode", [&] {
@@ -118,7 +131,12 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& logits, const at::T
       s2 = shared2->data_ptr<scalar_t>();
       Is = shared2->size(1);
     }
-    run<scalar_t>(x, logits, b, w13, w2, s13, s2, Is, top_k, renormalize, static_cast<float>(scale), biased, out);
+    const float sc = static_cast<float>(scale), bt = static_cast<float>(beta), lb = static_cast<float>(linear_beta);
+    if (act == 0)
+      run<scalar_t>(x, logits, b, w13, w2, s13, s2, Is, top_k, renormalize, sc, biased, Silu<scalar_t>{}, out);
+    else
+      run<scalar_t>(x, logits, b, w13, w2, s13, s2, Is, top_k, renormalize, sc, biased,
+                    Situ<scalar_t>{bt, 1.0f / bt, lb, 1.0f / lb}, out);
   });
   return out;
 }
@@ -128,7 +146,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& logits, const at::T
 TORCH_LIBRARY_FRAGMENT(k3dist, m) {
   m.def(
       "moe_decode(Tensor x, Tensor logits, Tensor bias, Tensor w13, Tensor w2, Tensor? shared13, Tensor? shared2, "
-      "int top_k, bool renormalize, float scale, bool biased) -> Tensor");
+      "int top_k, bool renormalize, float scale, bool biased, int act, float beta, float linear_beta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(k3dist, CPU, m) { m.impl("moe_decode", &moe_decode); }

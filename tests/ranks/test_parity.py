@@ -68,15 +68,16 @@ def hf_model(model_dir: str, dtype: torch.dtype):
 
 
 @functools.cache
-def reference(model_dir: str, prompt_len: int = 12, batch: int = 2):
-    """k3dist's own greedy tokens at world size 1 (fp32), and transformers' fp32 logits teacher-forced on them.
+def reference(ranks, model_dir: str, prompt_len: int = 12, batch: int = 2):
+    """k3dist's own greedy tokens at world size 1 (fp32) on the module's `ranks` (shared_ranks), and transformers'
+    fp32 logits teacher-forced on them.
 
     If transformers' argmax equals each of those tokens, its own greedy run would produce exactly them too.
     """
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(7))
     out = Path(tempfile.mkdtemp()) / "k3-greedy.safetensors"
-    expect_ok(run_ranks(teacher_forced, 1, model_dir, "float32", prompt.tolist(), None, str(out), STEPS))
+    expect_ok(ranks(teacher_forced, 1, model_dir, "float32", prompt.tolist(), None, str(out), STEPS))
     tokens = load_file(out)["tokens"]
     return prompt, tokens, hf_logits(model_dir, torch.float32, prompt, tokens)
 
@@ -86,7 +87,7 @@ def hf_logits(model_dir: str, dtype: torch.dtype, prompt, tokens):
         return hf_model(model_dir, dtype)(torch.cat([prompt, tokens], 1), use_cache=False).logits.float()
 
 
-def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, dense_layers=None, backend="auto"):
+def k3_logits(ranks, model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, dense_layers=None, backend="auto"):
     out = tmp_path / f"k3-{world}-{dtype}.safetensors"
     args = (
         str(model_dir),
@@ -100,7 +101,7 @@ def k3_logits(model_dir, world, dtype, prompt, tokens, tmp_path, pack=False, den
         pack,
         backend,
     )
-    expect_ok(run_ranks(teacher_forced, world, *args))
+    expect_ok(ranks(teacher_forced, world, *args))
     got = load_file(out)
     if dense_layers is not None:
         assert got["dense_layers"].item() == dense_layers
@@ -116,9 +117,9 @@ def small_dirs(tmp_path_factory):
     }
 
 
-def check_fp32(model_dir, world, tmp_path):
-    prompt, tokens, ref = reference(str(model_dir))
-    prefill, steps = k3_logits(model_dir, world, "float32", prompt, tokens, tmp_path)
+def check_fp32(ranks, model_dir, world, tmp_path):
+    prompt, tokens, ref = reference(ranks, str(model_dir))
+    prefill, steps = k3_logits(ranks, model_dir, world, "float32", prompt, tokens, tmp_path)
     T = prompt.shape[1]
     scale = ref.abs().max().item()
     assert (prefill - ref[:, :T]).abs().max().item() <= 1e-4 * scale
@@ -128,15 +129,15 @@ def check_fp32(model_dir, world, tmp_path):
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
-def test_twin_fp32_matches_transformers(twin_dir, world, tmp_path):
-    check_fp32(twin_dir, world, tmp_path)
+def test_twin_fp32_matches_transformers(shared_ranks, twin_dir, world, tmp_path):
+    check_fp32(shared_ranks, twin_dir, world, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_small_configs_fp32_match_transformers(small_dirs, name, world, tmp_path):
-    check_fp32(small_dirs[name], world, tmp_path)
+def test_small_configs_fp32_match_transformers(shared_ranks, small_dirs, name, world, tmp_path):
+    check_fp32(shared_ranks, small_dirs[name], world, tmp_path)
 
 
 def packs() -> bool:
@@ -149,17 +150,19 @@ def packs() -> bool:
     [(1, 2, False, "auto"), (2, 2, False, "auto"), (1, 8, True, "auto"), (2, 8, True, "torch")],
     ids=["w1", "w2", "w1-b8-packed", "w2-b8-packed-torch"],
 )
-def test_twin_bf16_no_farther_than_transformers_bf16(twin_dir, world, batch, pack, backend, tmp_path):
+def test_twin_bf16_no_farther_than_transformers_bf16(shared_ranks, twin_dir, world, batch, pack, backend, tmp_path):
     """Packed at batch 8, the twin's 16 experts x top-2 are covered: with the torch kernels its MoE layers run dense
     (kernels/moe.py), where this CPU has oneDNN bf16 (else the packed case runs the plain weights and says so by its
     layer count); with the CPU ops they run the one-op block on the stacked weights instead."""
-    prompt, tokens, ref = reference(str(twin_dir), batch=batch)
+    prompt, tokens, ref = reference(shared_ranks, str(twin_dir), batch=batch)
     T = prompt.shape[1]
     hf_bf16 = hf_logits(str(twin_dir), torch.bfloat16, prompt, tokens)
     moe_layers = sum(spec.mlp == "moe" for spec in load_config(str(twin_dir)).layers)
     one_op = backend == "auto" and cpu_ops.available()
     dense = moe_layers if pack and packs() and not one_op else 0
-    prefill, steps = k3_logits(twin_dir, world, "bfloat16", prompt, tokens, tmp_path, pack, dense, backend)
+    prefill, steps = k3_logits(
+        shared_ranks, twin_dir, world, "bfloat16", prompt, tokens, tmp_path, pack, dense, backend
+    )
     mine = torch.cat([prefill[:, : T - 1], steps], 1)
     theirs = hf_bf16[:, : T - 1 + STEPS]
     target = ref[:, : T - 1 + STEPS]
@@ -185,19 +188,19 @@ def saved_by_transformers(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_checkpoint_written_by_transformers_matches(saved_by_transformers, world, tmp_path):
-    check_fp32(saved_by_transformers, world, tmp_path)
+def test_checkpoint_written_by_transformers_matches(shared_ranks, saved_by_transformers, world, tmp_path):
+    check_fp32(shared_ranks, saved_by_transformers, world, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_compiled_engine_matches_transformers(small_dirs, world):
+def test_compiled_engine_matches_transformers(shared_ranks, small_dirs, world):
     """decode.compile=on through the real engine: the same greedy tokens as transformers, and each step's top-5
     logits equal to transformers' logits at those tokens."""
     model_dir = str(small_dirs["small"])
-    prompt, tokens, ref = reference(model_dir)
+    prompt, tokens, ref = reference(shared_ranks, model_dir)
     requests = [{"ids": p, "max_new_tokens": STEPS} for p in prompt.tolist()]
-    out = expect_ok(
+    out = expect_ok(  # on new ranks: the step compiles in processes that have compiled nothing before
         run_ranks(partial(generate, capture="compile"), world, model_dir, requests, len(requests), timeout=600)
     )
     T, scale = prompt.shape[1], ref.abs().max().item()

@@ -8,7 +8,7 @@ import pytest
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import prefix_turns
-from tests.support.ranks import expect_ok, run_ranks
+from tests.support.ranks import expect_ok
 
 DOC = [(37 * i) % 480 + 5 for i in range(40)]  # 40 tokens: snapshots at 16, 32 and 40 (chunk 8, every 16)
 CONFIGS = {
@@ -28,10 +28,10 @@ def model_dir(request, tmp_path_factory):
     return str(write_checkpoint(CONFIGS[request.param], path, seed=21, dtype="float32", tokenizer=False))
 
 
-def both(model_dir, turns, world, batch=2, pool=(2**30, 0), every=16, together=False):
-    """The same turns with and without reuse: (with, without), rank 0's."""
+def both(ranks, model_dir, turns, world, batch=2, pool=(2**30, 0), every=16, together=False):
+    """The same turns with and without reuse on the module's `ranks` (shared_ranks): (with, without), rank 0's."""
     args = (model_dir, turns, batch, 8, every, "float32", 256, pool, together)
-    return expect_ok(run_ranks(prefix_turns, world, *args))[0]
+    return expect_ok(ranks(prefix_turns, world, *args))[0]
 
 
 def close(a, b, rtol=1e-5):
@@ -42,12 +42,12 @@ def close(a, b, rtol=1e-5):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
+def test_a_second_chat_turn_restores_the_first_turns_snapshot(shared_ranks, model_dir, world):
     turns = [
         [{"ids": DOC, "max_new_tokens": 7}, {"ids": DOC[:30], "max_new_tokens": 5, "temperature": 0.8, "seed": 3}],
         [{"after": 0, "then": [11, 12, 13, 14, 15]}, {"after": 1, "then": [7, 8], "temperature": 0.8, "seed": 4}],
     ]
-    reused, plain = both(model_dir, turns, world)
+    reused, plain = both(shared_ranks, model_dir, turns, world)
     for got, want in zip(reused, plain, strict=True):
         for g, w in zip(got["completions"], want["completions"], strict=True):
             assert g["tokens"] == w["tokens"]
@@ -60,19 +60,21 @@ def test_a_second_chat_turn_restores_the_first_turns_snapshot(model_dir, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(model_dir, world):
+def test_a_shared_chunk_aligned_prefix_gives_bit_identical_logits(shared_ranks, model_dir, world):
     turns = [[{"ids": DOC}], [{"ids": DOC[:32] + [3, 4, 5, 6, 7, 8, 9]}, {"ids": DOC[:32] + [300, 2]}]]
-    reused, plain = both(model_dir, turns, world, together=True)  # both runs decode the same slots together
+    reused, plain = both(
+        shared_ranks, model_dir, turns, world, together=True
+    )  # both runs decode the same slots together
     assert reused[1]["prefix"]["tokens_reused"] == 32 + 32  # each restored at the 32-token chunk boundary
     for g, w in zip(reused[1]["completions"], plain[1]["completions"], strict=True):
         assert g == w  # tokens and top-5 logits, bit for bit
 
 
 @pytest.mark.slow
-def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
+def test_nothing_but_a_true_prefix_is_a_hit(shared_ranks, model_dir):
     changed = DOC[:20] + [999 % 480] + DOC[21:]
     turns = [[{"ids": DOC}], [{"ids": changed}], [{"ids": DOC[:37]}], [{"ids": DOC}]]
-    reused, plain = both(model_dir, turns, 1, batch=1)
+    reused, plain = both(shared_ranks, model_dir, turns, 1, batch=1)
     reuse = [r["prefix"]["tokens_reused"] for r in reused]
     assert reuse[0] == 0
     assert reuse[1] - reuse[0] == 16  # one middle token changed: only the 16 tokens before it
@@ -83,7 +85,7 @@ def test_nothing_but_a_true_prefix_is_a_hit(model_dir):
 
 
 @pytest.mark.slow
-def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(model_dir):
+def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(shared_ranks, model_dir):
     """A pool of two 40-token snapshots and a host tier of one: documents come and go, snapshots are demoted and
     dropped on both ranks alike, and every answer stays what it is without reuse."""
     from k3dist.config import load_config
@@ -94,7 +96,7 @@ def test_a_small_pool_evicts_to_the_host_tier_and_drops_on_every_rank(model_dir)
     size = snapshot_bytes(cache_shapes(cfg, 2, 1, 1, cfg_dtype()), 40, -(-cfg.vocab_size // 2), 4)
     docs = [[(t * 13 + k * 7) % 480 + 5 for t in range(40)] for k in range(4)]
     turns = [[{"ids": d}] for d in docs] + [[{"ids": docs[3]}], [{"ids": docs[0]}]]
-    reused, plain = both(model_dir, turns, 2, batch=1, pool=(2 * size + 100, size + 100))
+    reused, plain = both(shared_ranks, model_dir, turns, 2, batch=1, pool=(2 * size + 100, size + 100))
     assert [r["completions"] for r in reused] == [p["completions"] for p in plain]
     stats = reused[-1]["prefix"]
     assert stats["evictions"] > 0 and stats["demotions"] > 0 and stats["device_bytes"] <= 2 * size + 100
@@ -111,7 +113,7 @@ QUESTIONS = [[400 + 7 * q + k for k in range(5)] for q in range(6)]  # six diffe
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_prompts_branching_inside_a_chunk_hit_the_branch_point(model_dir, world):
+def test_prompts_branching_inside_a_chunk_hit_the_branch_point(shared_ranks, model_dir, world):
     """A 45-token document (the branch point is inside the chunk [40, 48); no grid point before 64) with different
     questions: the first request is a miss and snapshots only its end, the second learns the branch point and
     snapshots it, every later one restores it. Then four prompts admitted in one window (as on CUDA) over another
@@ -123,7 +125,7 @@ def test_prompts_branching_inside_a_chunk_hit_the_branch_point(model_dir, world)
     turns = [[{"ids": doc + q}] for q in QUESTIONS[:4]] + [
         [{"ids": other + q} for q in QUESTIONS[3:]] + [{"ids": other}]
     ]
-    reused, plain = both(model_dir, turns, world, batch=4, every=64, together=True)
+    reused, plain = both(shared_ranks, model_dir, turns, world, batch=4, every=64, together=True)
     for got, want in zip(reused, plain, strict=True):
         for g, w in zip(got["completions"], want["completions"], strict=True):
             assert g["tokens"] == w["tokens"]

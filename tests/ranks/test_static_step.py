@@ -4,52 +4,20 @@ tests/ranks/test_parity.py.)"""
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3dist.base import dist
 from k3dist.engine.control import Admit
 from k3dist.engine.decode_step import DecodeStep
-from k3dist.engine.logits import NONE, PENALTIES, Processing
 from k3dist.engine.runner import Runner
-from k3dist.engine.sampling import GREEDY, SamplingMode
+from k3dist.engine.sampling import GREEDY, NONE, PENALTIES, SamplingMode, SamplingParams
 from k3dist.model.linear import packable
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.configs import small_config
 from tests.support.harness import bind, dense_layers
+from tests.support.host_reads import HostReads, SyncOps
 from tests.support.ranks import expect_ok, run_ranks
 
 pytestmark = pytest.mark.slow  # the `slow` tier (README: Tests)
-
-HOST_READS = {"item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__"}
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "unique_dim", "_to_copy_cpu"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts Python-level reads of tensor values on the host (Tensor.item, tolist, bool(), .cpu(), ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name in HOST_READS:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-class SyncOps(TorchDispatchMode):
-    """Counts aten ops that need the values on the host (a scalar read, data-dependent shapes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._opname in SYNC_OPS:
-            self.seen.append(func._opname)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +25,8 @@ def model_dir(tmp_path_factory):
     return str(write_checkpoint(small_config(), tmp_path_factory.mktemp("step"), seed=4, dtype="float32"))
 
 
-PROCESSING = Processing(((7, 2.5), (300, -1.0)), 0.3, 0.2, 1.3, 4, (2, 9), grammar=True)
+PROCESSING = dict(logit_bias=((7, 2.5), (300, -1.0)), presence_penalty=0.3, frequency_penalty=0.2)
+PROCESSING |= dict(repetition_penalty=1.3, min_tokens=4, held=(2, 9), grammar=True)
 
 
 def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = False, backend: str = "auto") -> dict:
@@ -72,7 +41,7 @@ def _count_host_reads(model_dir: str, batch: int, sample: bool, packed: bool = F
     for process in (NONE, PENALTIES):
         mode = SamplingMode(sample, sample, process)
         admits = tuple(
-            Admit(i, tuple(range(3 + i, 9 + 2 * i)), 0.7 * sample, 0.9, processing=PROCESSING if i % 2 else None)
+            Admit(i, tuple(range(3 + i, 9 + 2 * i)), SamplingParams(0.7 * sample, 0.9, **(PROCESSING if i % 2 else {})))
             for i in range(batch)
         )
         masks = tuple(range(1, batch, 2))

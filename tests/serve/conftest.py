@@ -1,9 +1,11 @@
 """Servers shared by the serve tests: a small fp32 checkpoint with the twin's tokenizer and chat template, served at
-world 1 and world 2 (gloo) by the real command line. Each is started once per session and stopped at its end."""
+world 1 and world 2 (gloo) by the real command line; and one in Kimi K3's chat format (`server_k3`). Each is started
+once per session and stopped at its end."""
 
 import pytest
 
 from k3dist.twin.checkpoint import write_checkpoint
+from k3dist.twin.tokenizer import KIMI_K3
 from tests.support.configs import small_config
 from tests.support.server import Server
 
@@ -15,10 +17,11 @@ def serve_dir(tmp_path_factory):
     return write_checkpoint(small_config(), tmp_path_factory.mktemp("serveckpt") / "m", seed=9, dtype="float32")
 
 
-def _server(tmp, serve_dir, *extra):
-    args = (f"model.path={serve_dir}", f"generate.batch={SLOTS}", f"cache.cap={CAP}", "generate.prefill_chunk=16")
+def _server(tmp, serve_dir, *extra, cap: int = CAP):
+    args = (f"model.path={serve_dir}", f"generate.batch={SLOTS}", f"cache.cap={cap}", "generate.prefill_chunk=16")
     server = Server(tmp, *args, *extra)
-    server.model_dir = serve_dir
+    server.model_dir, server.chat_format = serve_dir, "kimi_k2"
+    server.chat_extra, server.responses_extra = {}, {}  # what requests add in this server's format
     return server
 
 
@@ -39,3 +42,26 @@ def server2(serve_dir, tmp_path_factory):
 @pytest.fixture(params=[1, 2], ids=["world1", "world2"])
 def server(request):
     return request.getfixturevalue(f"server{request.param}")
+
+
+@pytest.fixture(scope="session")
+def serve_dir_k3(tmp_path_factory):
+    """The checkpoint K3's chat format is served on: until the K3 model runs in k3dist, the small Kimi-Linear one
+    with the K3 twin's tokenizer and chat template (twin/tokenizer.py's kimi_k3). To serve the K3 twin instead,
+    return `ensure_twin(<the K3 twin config>, dtype="float32", variant="dequantized")` here: its tokenizer and
+    template are the same format, chosen by its variant."""
+    out = tmp_path_factory.mktemp("serveckpt3") / "m"
+    return write_checkpoint(small_config(), out, seed=9, dtype="float32", chat_format=KIMI_K3)
+
+
+@pytest.fixture(scope="session")
+def server_k3(serve_dir_k3, tmp_path_factory):
+    """World 1 in K3's format, with room for its longer prompts (its tags spelled in the 512-token vocabulary's
+    bytes, an agent's tools declared). Its requests turn thinking off (`chat_extra`, `responses_extra`): random
+    weights never close a think tag, and a grammar starts after it."""
+    server = _server(tmp_path_factory.mktemp("k3"), serve_dir_k3, "decode.sync_every=4", cap=8 * CAP)
+    server.chat_format = KIMI_K3
+    server.chat_extra = {"chat_template_kwargs": {"thinking": False}}
+    server.responses_extra = {"reasoning": {"effort": "none"}}
+    yield server
+    server.stop()

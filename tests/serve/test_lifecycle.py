@@ -49,11 +49,20 @@ def _stream_all(server, results: list, index: int, max_tokens: int) -> None:
 
 
 def _streaming(server, count: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+    """`count` streams, returned once the engine holds every one of them and has generated: a request still on its
+    way when the test signals would be refused (503), not in flight."""
+    before = server.metrics()
     results = [None] * count
     threads = [threading.Thread(target=_stream_all, args=(server, results, i, max_tokens)) for i in range(count)]
     for t in threads:
         t.start()
-    _wait(lambda: server.metrics()["k3dist_generation_tokens_total"] > 0, what="the streams to start")
+
+    def started() -> bool:
+        grown = {k: v - before[k] for k, v in server.metrics().items() if k in before}
+        # a 3-token prompt each: the prompt tokens count every request the engine took
+        return grown["k3dist_prompt_tokens_total"] >= 3 * count and grown["k3dist_generation_tokens_total"] > 0
+
+    _wait(started, what="the streams to start")
     return results, threads
 
 

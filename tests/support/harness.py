@@ -96,6 +96,19 @@ def teacher_forced(
     return rt.rank
 
 
+def as_prompt(fields: dict):
+    """A Prompt from a dict of its fields, SamplingParams' among them (temperature, seed, ...), ids as a list."""
+    from dataclasses import fields as fields_of
+
+    from k3dist.engine.sampling import SamplingParams
+    from k3dist.engine.sequences import Prompt
+
+    names = {f.name for f in fields_of(SamplingParams)}
+    sampling = SamplingParams(**{k: v for k, v in fields.items() if k in names})
+    own = {k: v for k, v in fields.items() if k not in names} | {"ids": tuple(fields["ids"])}
+    return Prompt(**own, sampling=sampling)
+
+
 def local_engine(step, prefill_chunk: int = 8, sync_every: int = 8, eos=(), rt=None, check_tokens: bool = False):
     """The engine the job builds, over `step`: a runner and the control channel of `rt` (None: a world of one)."""
     from k3dist.engine.control import Channel
@@ -127,9 +140,8 @@ def generate(
     every other rank follows its windows (with dist.check_tokens on: every window, each rank's generated ids are
     compared with rank 0's) and returns None."""
     from k3dist.engine.engine import follow
-    from k3dist.engine.sequences import Prompt
 
-    ready = [Prompt(**({"id": f"r{i}"} | p | {"ids": tuple(p["ids"])})) for i, p in enumerate(prompts)]
+    ready = [as_prompt({"id": f"r{i}"} | p) for i, p in enumerate(prompts)]
     longest = max(len(p.ids) + p.max_new_tokens for p in ready)
     rt, cfg, model, cache = bind(model_dir, dtype, batch, cap or longest)
     step = DecodeStep(model, cache, (SamplingMode.covering(p.mode for p in ready),), capture)
@@ -192,8 +204,6 @@ def prefix_turns(
 
 
 def _turns(engine, turns: list[list[dict]]) -> list[dict]:
-    from k3dist.engine.sequences import Prompt
-
     out, previous = [], []
     for t, turn in enumerate(turns):
         prompts = []
@@ -203,7 +213,7 @@ def _turns(engine, turns: list[list[dict]]) -> list[dict]:
                 r = {k: v for k, v in r.items() if k not in ("after", "then")} | {
                     "ids": list(before.ids) + done.tokens + r["then"]
                 }
-            prompts.append(Prompt(**({"id": f"t{t}r{i}", "max_new_tokens": 6} | r | {"ids": tuple(r["ids"])})))
+            prompts.append(as_prompt({"id": f"t{t}r{i}", "max_new_tokens": 6} | r))
             engine.add(prompts[-1])
         done = {}
         while engine.busy:

@@ -26,11 +26,21 @@ def random_weights(cfg, dtype=torch.float32, seed: int = 0) -> dict[str, torch.T
     return store
 
 
-def random_model(raw: dict, batch: int = 1, cap: int = 32, dtype=torch.float32, seed: int = 0, backend="torch"):
-    """(config, model, cache) for a raw config dict, weights seeded by `seed`."""
+def random_model(
+    raw: dict,
+    batch: int = 1,
+    cap: int = 32,
+    dtype=torch.float32,
+    seed: int = 0,
+    backend="torch",
+    device="cpu",
+    comm: TPComm | None = None,
+):
+    """(config, model, cache) for a raw config dict, weights seeded by `seed` (drawn on the host, then moved), on
+    `device`; `comm` defaults to a world of one."""
     cfg = parse_config(raw)
-    cache = HybridCache(cfg, 1, batch, cap, dtype, torch.device("cpu"))
-    model = build_model(
-        cfg, random_weights(cfg, dtype, seed), TPComm(1, 0, cfg.vocab_size), cache, select(backend, torch.device("cpu"))
-    )
+    dev = torch.device(device)
+    cache = HybridCache(cfg, 1, batch, cap, dtype, dev)
+    weights = {k: v.to(dev) for k, v in random_weights(cfg, dtype, seed).items()}
+    model = build_model(cfg, weights, comm or TPComm(1, 0, cfg.vocab_size), cache, select(backend, dev))
     return cfg, model, cache

@@ -17,8 +17,11 @@ READY = re.compile(r"k3dist: serving '([^']+)' at (http://(?:[\d.]+|\[[\da-f:]+\
 
 
 class Server(Watched):
-    def __init__(self, tmp: Path, *overrides: str, torchrun: list[str] | None = None, env: dict | None = None):
-        args = ["run.mode=serve", "serve.port=0", f"hydra.run.dir={tmp / 'run'}", *overrides]
+    def __init__(
+        self, tmp: Path, *overrides: str, torchrun: list[str] | None = None, env: dict | None = None, port: int = 0
+    ):
+        """`port`: 0 for a free one; a given one restarts a server where a router expects it."""
+        args = ["run.mode=serve", f"serve.port={port}", f"hydra.run.dir={tmp / 'run'}", *overrides]
         old = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
         try:

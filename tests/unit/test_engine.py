@@ -11,6 +11,7 @@ one prompt is partly prefilled during decode steps. Its tokens follow one rule, 
 request's completion is known beforehand, whatever else shares the batch and however its prompt was cut.
 """
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from k3dist.engine.decode_step import TOP
 from k3dist.engine.engine import Engine
 from k3dist.engine.prefix import PrefixIndex
 from k3dist.engine.runner import Timings
+from k3dist.engine.sampling import BadValue, SamplingParams
 from k3dist.engine.sequences import Prompt
 
 VOCAB, CAP = 512, 96
@@ -381,3 +383,42 @@ def test_an_idle_engine_sends_heartbeats_and_the_shutdown():
     engine.shutdown(3)
     assert engine.channel.sent[-2:] == [Window(), Window(stop=3)]
     assert len(runner.windows) == len(engine.channel.sent) - 2  # neither runs anything on rank 0
+
+
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("max_new_tokens", {"max_new_tokens": 1.5}),  # the float that once reached a window and ended every rank
+        ("max_new_tokens", {"max_new_tokens": CAP}),
+        ("ids", {"ids": (1, VOCAB)}),
+        ("ids", {"ids": [1, 2]}),
+        ("stop", {"stop": ["a"]}),
+        ("stop_ids", {"stop_ids": (VOCAB,)}),
+        ("logprobs", {"logprobs": 21}),
+        ("prompt_logprobs", {"prompt_logprobs": 2.0}),
+        ("ignore_eos", {"ignore_eos": 1}),
+        ("priority", {"priority": "0"}),
+        ("logit_bias", {"sampling": SamplingParams(logit_bias=((VOCAB, 1.0),))}),
+        ("grammar", {"grammar": object()}),
+    ],
+)
+def test_a_prompt_is_checked_before_any_window_naming_its_field(field, change):
+    """Engine.check (a server calls it on its HTTP thread; add calls it again): whatever a front slips through is a
+    BadValue naming the field, never a failure inside run_window."""
+    engine, _ = make()
+    bad = replace(prompt(0, 3, 2), **change)
+    with pytest.raises(BadValue) as refused:
+        engine.check(bad)
+    assert refused.value.field == field
+    with pytest.raises(BadValue):
+        engine.add(bad)
+    assert not engine.waiting and not engine.busy
+
+
+def test_waiting_prompts_go_by_priority_then_first_come():
+    engine, runner = make(batch=1)
+    prompts = [replace(prompt(k, 3, 2), priority=p) for k, p in enumerate([0, 5, -1, 5, 0])]
+    for p in prompts:
+        engine.add(p)
+    drive(engine)
+    assert [name for _, _, name in names(runner, prompts)] == ["r2", "r0", "r4", "r1", "r3"]

@@ -8,7 +8,7 @@ import pytest
 from k3dist.serve import structured
 from k3dist.serve.errors import APIError
 from k3dist.serve.fields import Forms
-from k3dist.serve.protocol import CompletionRequest
+from k3dist.serve.schema import CompletionRequest
 from k3dist.text.tokenizer import load_tokenizer
 from k3dist.twin.tokenizer import write_tokenizer
 

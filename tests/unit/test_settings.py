@@ -141,6 +141,11 @@ REFUSED = [  # one bad value per kind of check, and the special checks on their 
     ("serve.port", 70000, "must be a TCP port (0-65535; 0 picks a free one)"),
     ("serve.host", "", "must be an address to listen on, such as 127.0.0.1 or 0.0.0.0"),
     ("prefix.every", 100, "must be a multiple of generate.prefill_chunk=512, so snapshots fall on chunk ends"),
+    (
+        "serve.kv_events",
+        "udp://x",
+        "must be null or a ZMQ endpoint: tcp://*:5557 (bound), tcp://HOST:PORT (connected), ipc://PATH",
+    ),  # fmt: skip
 ]
 
 
@@ -203,3 +208,10 @@ def test_null_defaults_are_resolved_by_parse(monkeypatch):
     monkeypatch.setenv("K3DIST_API_KEY", "from-env")
     assert parse(job).serve.api_key == "from-env"
     assert parse(_with(job, "serve.api_key", "given")).serve.api_key == "given"
+
+
+def test_kv_events_need_prefix_reuse():
+    job = _with(_with(_default_job(), "serve.kv_events", "tcp://*:5557"), "prefix.enabled", "off")
+    with pytest.raises(K3Error) as refused:
+        parse(job)
+    assert str(refused.value) == "serve.kv_events='tcp://*:5557' publishes prefix snapshots, and prefix.enabled is off"

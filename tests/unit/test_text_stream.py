@@ -69,6 +69,19 @@ def test_skip_ids_add_no_text(tok):
     assert TextAssembler(tok).feed([hi, eos]) == ("hi<|im_end|>", None)
 
 
+def test_special_tokens_skipped_or_spaced_as_vllm_joins_them(tok):
+    """skip_special_tokens drops the marked ones; without it spaces_between_special_tokens sets each apart by a space
+    from the text beside it (the pieces joined by spaces), as vLLM detokenizes for a slow tokenizer such as Kimi's."""
+    user, end, hi = tok.special_ids["<|im_user|>"], tok.special_ids["<|im_end|>"], one_token(tok, "hi")
+    assert {user, end} <= tok.marked_special
+    ids = [user, hi, hi, end, end, hi]
+    assert TextAssembler(tok, skip_ids=tok.marked_special).feed(ids) == ("hihihi", None)
+    spaced = TextAssembler(tok, spaced_ids=tok.marked_special)
+    assert spaced.feed(ids[:2])[0] + spaced.feed(ids[2:])[0] == "<|im_user|> hihi <|im_end|> <|im_end|> hi"
+    assert spaced.text == "<|im_user|> hihi <|im_end|> <|im_end|> hi"
+    assert TextAssembler(tok).feed(ids)[0] == "<|im_user|>hihi<|im_end|><|im_end|>hi"
+
+
 def test_empty_stop_string_is_refused(tok):
     with pytest.raises(ValueError, match="non-empty"):
         TextAssembler(tok, stop=["a", ""])
