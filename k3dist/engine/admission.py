@@ -39,7 +39,7 @@ class Filling:
 
 
 @dataclass
-class Plan:
+class WindowPrefill:
     """One window's admissions and pieces, in the order every rank runs them."""
 
     left: int  # prompt tokens the window may still prefill
@@ -65,11 +65,11 @@ class Admission:
         left = len(self.filling.ids) - self.filling.at if self.filling else 0
         return left + sum(len(p.ids) for p in self.waiting)
 
-    def plan(self, free: list[int], events_for_empty) -> Plan:
+    def plan(self, free: list[int], events_for_empty) -> WindowPrefill:
         """The window's prefill: finished requests' snapshots first (a next chat turn may restore one in this very
         window), then the partly prefilled prompt and the newcomers in turn. Takes the slots it admits into from
         `free`."""
-        plan = Plan(self.budget)
+        plan = WindowPrefill(self.budget)
         if self.prefix is not None:
             self._extensions(free, plan)
         first = self.filling is not None and self.filling_waited
@@ -87,7 +87,7 @@ class Admission:
         chunk_end = (f.at // self.chunk + 1) * self.chunk
         return min(len(f.ids), chunk_end, *(p for p in f.saves if p > f.at))
 
-    def _continue(self, f: Filling, plan: Plan, first: bool = False) -> None:
+    def _continue(self, f: Filling, plan: WindowPrefill, first: bool = False) -> None:
         """As many of `f`'s pieces as the budget allows (at least one in a window that has none yet)."""
         while True:
             end = self._next_end(f) if not f.done else f.at
@@ -104,12 +104,12 @@ class Admission:
                 self.filling = None
 
     @staticmethod
-    def _ran(plan: Plan, slot: int) -> bool:
+    def _ran(plan: WindowPrefill, slot: int) -> bool:
         return any(p[0] == slot for p in plan.pieces)
 
     # ------------------------------------------------------------------ newcomers
 
-    def _admit(self, free: list[int], plan: Plan, events_for_empty) -> None:
+    def _admit(self, free: list[int], plan: WindowPrefill, events_for_empty) -> None:
         while free and self.waiting:
             p = self.waiting[0]
             scored = p.prompt_logprobs is not None  # a snapshot holds no logits of the positions before its end:
@@ -143,7 +143,7 @@ class Admission:
             if not f.done:
                 self.filling = f
 
-    def _reuse(self, ids, hit, points: list[int], branch: int, plan: Plan) -> tuple[tuple[int, int], ...]:
+    def _reuse(self, ids, hit, points: list[int], branch: int, plan: WindowPrefill) -> tuple[tuple[int, int], ...]:
         """The snapshots a newcomer takes on the way (planned, made when its pieces reach them); counts its hit."""
         if self.prefix is None:
             return ()
@@ -158,7 +158,7 @@ class Admission:
                 plan.pinned.add(snap)
         return tuple(saves)
 
-    def _extensions(self, idle: list[int], plan: Plan) -> None:
+    def _extensions(self, idle: list[int], plan: WindowPrefill) -> None:
         """Snapshots of finished requests' prompt + completion (`finished`: the next chat turn starts with it): a free
         slot restores the request's prompt snapshot and prefills just the completion, first in the window (a
         newcomer admitted into that slot resets it afterwards). One that does not fit the budget waits for a later

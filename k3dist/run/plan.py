@@ -75,9 +75,9 @@ def plan_run(
     pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
     reserve = s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
     sample = any(m.sample for m in modes)
-    by_front = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
-    for front in {serving and rank == 0 for rank in ranks}:
-        by_front[front] = runtime_memory(
+    by_role = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
+    for serves_http in {serving and rank == 0 for rank in ranks}:
+        by_role[serves_http] = runtime_memory(
             cfg,
             world,
             batch=g.batch,
@@ -92,12 +92,12 @@ def plan_run(
             graphs=len(modes),
             top=WIDEST if serving else TOP,
             scoring=serving,
-            front=front,
-            stored=s.serve.store_bytes if front and s.serve.store_responses else 0,  # the Responses API's store
+            serves_http=serves_http,
+            stored=s.serve.store_bytes if serves_http and s.serve.store_responses else 0,  # the Responses API's store
         )
     runtimes, terms = {}, {}
     for rank in ranks:
-        runtimes[rank] = by_front[serving and rank == 0]
+        runtimes[rank] = by_role[serving and rank == 0]
         saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
         derived = _derived(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
         terms[rank] = MemoryTerms(cache, runtimes[rank].total, derived, pool, saved, reserve)
