@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from ..base import dist, signals
+from ..base import dist, signals, store
 from ..base.failures import after_load, end_with_peer_failure
 from ..config import ModelConfig
 from ..engine.build import build_engine, build_runner
@@ -71,7 +71,7 @@ def bind(s: Settings, rt: dist.Runtime, cfg: ModelConfig, weights, plan: RunPlan
     )
     runner, channel = build_runner(plan, s, rt, model, cache)
     # rank 0 of a server keeps failing its requests itself when a collective fails; every other rank ends at once
-    dist.abort_on_peer_failure(rt, None if plan.serving and rt.is_main else end_with_peer_failure)
+    store.abort_on_peer_failure(rt, None if plan.serving and rt.is_main else end_with_peer_failure)
     held = start_peak_window(rt.device)
     step = runner.decode_step
     after_load("warm-up", rt, step.warm_up)
@@ -116,7 +116,7 @@ def follower(s: Settings, rt: dist.Runtime, plan: RunPlan, bound: Bound) -> dict
 def _drain_from_follower(limit_s: float, signum: int) -> None:
     """A follower's signal: rank 0 drains the server as if it had the signal too (it may not have); if its stop
     never comes, this rank ends itself `limit_s` later."""
-    dist.ask_drain(signum)
+    store.ask_drain(signum)
     threading.Timer(limit_s, signals.end, (signum,)).start()
 
 
