@@ -133,9 +133,10 @@ class Admission:
             slot = free.pop(0)
             emit = p.max_new_tokens > 0  # else only scored: its slot is lent until its prefill is done
             restore = hit.id if hit else None
-            admit = Admit(slot, p.ids, p.sampling, restore, saves, emit=emit, score=p.prompt_logprobs)
+            scored_k = p.prompt_logprobs
+            admit = Admit(slot, p.ids, sampling=p.sampling, restore=restore, saves=saves, emit=emit, score=scored_k)
             plan.admit.append(admit)
-            f = Filling(slot, p.ids, start, dict(saves), p)
+            f = Filling(slot, p.ids, at=start, saves=dict(saves), prompt=p)
             plan.started.append(f)
             if self.prefix is not None:
                 self.prefix.remember(p.ids)
@@ -177,7 +178,7 @@ class Admission:
                 continue
             plan.pinned.add(snap)
             plan.admit.append(Admit(idle[0], ids, restore=hit.id, saves=((len(ids), snap),), emit=False))
-            self._continue(Filling(idle[0], ids, len(hit.ids), {len(ids): snap}), plan, first=True)
+            self._continue(Filling(idle[0], ids, at=len(hit.ids), saves={len(ids): snap}), plan, first=True)
         del self.extend[: -len(idle) or None]  # a bounded backlog: beyond one a slot, the oldest are given up
 
     def finished(self, ids: tuple[int, ...], completion: int) -> None:
