@@ -107,7 +107,7 @@ def follower(s: Settings, rt: dist.Runtime, plan: RunPlan, bound: Bound) -> dict
         dist.exchange({"pid": os.getpid()}, rt)  # the ready line names every rank's process
         signals.defer(partial(_drain_from_follower, s.serve.drain_s + 10))  # rank 0 drains, which ends this rank too
     code = after_load(lambda: bound.runner.stage, rt, lambda: follow(bound.runner, bound.channel))
-    if code:
+    if code:  # the server ended for a signal: rank 0 printed the line and exits with the same code
         sys.stdout.flush()
         os._exit(code)
     return bound.facts | _measured(rt, bound)
