@@ -79,13 +79,16 @@ def decode_point(cfg, weights, args, batch: int) -> dict:
 
     from k3dist.engine.decode_step import DecodeStep, capture_kind
     from k3dist.kernels.backend import select
-    from k3dist.model.build import build_model
+    from k3dist.model.build import build_model, choices
     from k3dist.model.cache import HybridCache
     from k3dist.model.tp import TPComm
 
     dev = torch.device(args.device)
-    cache = HybridCache(cfg, 1, batch, args.context + args.steps + 8, weights["model.embed_tokens.weight"].dtype, dev)
-    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, select(args.backend, dev))
+    dtype = weights["model.embed_tokens.weight"].dtype
+    cache = HybridCache(cfg, 1, batch, args.context + args.steps + 8, dtype, dev)
+    kernels = select(args.backend, dev)
+    planned = choices(cfg, dtype, dev, batch=batch, pack=False, cpu_ops=kernels.name == "cpu")
+    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, kernels, **planned)
     kind = capture_kind("auto", dev)
     step = DecodeStep(model, cache, kind=kind)
     step.warm_up()
@@ -113,14 +116,17 @@ def ttft(cfg, weights, args) -> dict:
     from k3dist.engine.decode_step import DecodeStep
     from k3dist.engine.runner import Runner
     from k3dist.kernels.backend import select
-    from k3dist.model.build import build_model
+    from k3dist.model.build import build_model, choices
     from k3dist.model.cache import HybridCache
     from k3dist.model.tp import TPComm
     from k3dist.offline.prompts import seeded_ids
 
     dev = torch.device(args.device)
-    cache = HybridCache(cfg, 1, 1, args.prompt_len + 8, weights["model.embed_tokens.weight"].dtype, dev)
-    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, select(args.backend, dev))
+    dtype = weights["model.embed_tokens.weight"].dtype
+    cache = HybridCache(cfg, 1, 1, args.prompt_len + 8, dtype, dev)
+    kernels = select(args.backend, dev)
+    planned = choices(cfg, dtype, dev, batch=1, pack=False, cpu_ops=kernels.name == "cpu")
+    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, kernels, **planned)
     runner = Runner(DecodeStep(model, cache), prefill_chunk=args.chunk)
     ids = tuple(seeded_ids(1, args.prompt_len, cfg.vocab_size, 0)[0])
     times = []

@@ -26,7 +26,7 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
 
     from k3dist.base import dist
     from k3dist.kernels.backend import select
-    from k3dist.model.build import build_model
+    from k3dist.model.build import build_model, choices
     from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
     from k3dist.model.linear import packable
     from k3dist.model.tp import TPComm
@@ -42,7 +42,9 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
     cache = HybridCache(cfg, 1, 1, cap, dtype, rt.device)
     comm = TPComm(1, 0, cfg.vocab_size)
     pack = packable(dtype, rt.device)
-    model = build_model(cfg, store.tensors, comm, cache, select("auto", rt.device), pack=pack, quant=quant)
+    kernels = select("auto", rt.device)
+    planned = choices(cfg, dtype, rt.device, batch=1, pack=pack, cpu_ops=kernels.name == "cpu")
+    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=pack, quant=quant, **planned)
     return model, cache
 
 

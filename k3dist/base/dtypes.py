@@ -41,7 +41,3 @@ def compute_dtype(name: str, where: str = "dtype") -> DType:
     if name not in COMPUTE:
         raise K3Error(f"{where}={name!r} is not one of {list(COMPUTE)}")
     return BY_NAME[name]
-
-
-def of_torch(dtype: torch.dtype) -> DType:
-    return next(d for d in TABLE if d.torch == dtype)

@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from . import dist
+from . import dist, store
 from .errors import K3Error
 
 
@@ -55,9 +55,9 @@ def after_load(stage, rt: dist.Runtime, fn):
         if rt.world == 1:
             raise K3Error(own) from None
         own_fault = _own_fault(exc)
-        peer = dist.published_failure(wait_s=0.0 if own_fault else 5.0)
+        peer = store.published_failure(wait_s=0.0 if own_fault else 5.0)
         if peer is None:
-            dist.publish_failure(own)
+            store.publish_failure(own)
         # an own fault's peers are alive, stuck in a collective with this rank: its exit waits for their lines
         raise K3Error(peer or own, peers_alive=own_fault and peer is None) from None
 
@@ -86,13 +86,13 @@ def exit_with_error(exc: K3Error) -> NoReturn:
     if exc.agreed and rt is not None and rt.world > 1:
         dist.settle(rt)
     elif rt is not None and rt.world > 1:
-        dist.printed_after_failure(rt, wait=exc.peers_alive)
+        store.printed_after_failure(rt, wait=exc.peers_alive)
     sys.stdout.flush()
     os._exit(1)
 
 
 def end_with_peer_failure(message: str) -> NoReturn:
-    """A peer published its failure (the watcher thread of dist.abort_on_peer_failure): end this rank with that line,
+    """A peer published its failure (the watcher thread of store.abort_on_peer_failure): end this rank with that line,
     after the other live ranks printed theirs."""
     exit_with_error(K3Error(message, peers_alive=True))
 

@@ -14,7 +14,6 @@ may use, before its thread pool exists, so ranks never share a core.
 """
 
 import os
-import sys
 
 # waiting threads spin ~0.1 ms (libgomp counts 100,000 spins a millisecond), then sleep: long enough to span the gap
 # between two ops of a step, short enough that an idle or descheduled rank gives its cores back
@@ -29,11 +28,6 @@ def configure_openmp(env=os.environ) -> dict[str, str]:
         return {}
     env.update(OPENMP)
     return dict(OPENMP)
-
-
-def openmp_settled() -> bool:
-    """Whether this process's OpenMP runtime could still read the settings (torch not yet imported)."""
-    return "torch" not in sys.modules
 
 
 def rank_cores(allowed: list[int], local_rank: int, local_world: int) -> list[int]:

@@ -39,7 +39,7 @@ class Filling:
 
 
 @dataclass
-class Plan:
+class WindowPrefill:
     """One window's admissions and pieces, in the order every rank runs them."""
 
     left: int  # prompt tokens the window may still prefill
@@ -65,11 +65,11 @@ class Admission:
         left = len(self.filling.ids) - self.filling.at if self.filling else 0
         return left + sum(len(p.ids) for p in self.waiting)
 
-    def plan(self, free: list[int], events_for_empty) -> Plan:
+    def plan(self, free: list[int], events_for_empty) -> WindowPrefill:
         """The window's prefill: finished requests' snapshots first (a next chat turn may restore one in this very
         window), then the partly prefilled prompt and the newcomers in turn. Takes the slots it admits into from
         `free`."""
-        plan = Plan(self.budget)
+        plan = WindowPrefill(self.budget)
         if self.prefix is not None:
             self._extensions(free, plan)
         first = self.filling is not None and self.filling_waited
@@ -87,7 +87,7 @@ class Admission:
         chunk_end = (f.at // self.chunk + 1) * self.chunk
         return min(len(f.ids), chunk_end, *(p for p in f.saves if p > f.at))
 
-    def _continue(self, f: Filling, plan: Plan, first: bool = False) -> None:
+    def _continue(self, f: Filling, plan: WindowPrefill, first: bool = False) -> None:
         """As many of `f`'s pieces as the budget allows (at least one in a window that has none yet)."""
         while True:
             end = self._next_end(f) if not f.done else f.at
@@ -104,12 +104,12 @@ class Admission:
                 self.filling = None
 
     @staticmethod
-    def _ran(plan: Plan, slot: int) -> bool:
+    def _ran(plan: WindowPrefill, slot: int) -> bool:
         return any(p[0] == slot for p in plan.pieces)
 
     # ------------------------------------------------------------------ newcomers
 
-    def _admit(self, free: list[int], plan: Plan, events_for_empty) -> None:
+    def _admit(self, free: list[int], plan: WindowPrefill, events_for_empty) -> None:
         while free and self.waiting:
             p = self.waiting[0]
             scored = p.prompt_logprobs is not None  # a snapshot holds no logits of the positions before its end:
@@ -133,9 +133,10 @@ class Admission:
             slot = free.pop(0)
             emit = p.max_new_tokens > 0  # else only scored: its slot is lent until its prefill is done
             restore = hit.id if hit else None
-            admit = Admit(slot, p.ids, p.sampling, restore, saves, emit=emit, score=p.prompt_logprobs)
+            scored_k = p.prompt_logprobs
+            admit = Admit(slot, p.ids, sampling=p.sampling, restore=restore, saves=saves, emit=emit, score=scored_k)
             plan.admit.append(admit)
-            f = Filling(slot, p.ids, start, dict(saves), p)
+            f = Filling(slot, p.ids, at=start, saves=dict(saves), prompt=p)
             plan.started.append(f)
             if self.prefix is not None:
                 self.prefix.remember(p.ids)
@@ -143,7 +144,7 @@ class Admission:
             if not f.done:
                 self.filling = f
 
-    def _reuse(self, ids, hit, points: list[int], branch: int, plan: Plan) -> tuple[tuple[int, int], ...]:
+    def _reuse(self, ids, hit, points: list[int], branch: int, plan: WindowPrefill) -> tuple[tuple[int, int], ...]:
         """The snapshots a newcomer takes on the way (planned, made when its pieces reach them); counts its hit."""
         if self.prefix is None:
             return ()
@@ -158,7 +159,7 @@ class Admission:
                 plan.pinned.add(snap)
         return tuple(saves)
 
-    def _extensions(self, idle: list[int], plan: Plan) -> None:
+    def _extensions(self, idle: list[int], plan: WindowPrefill) -> None:
         """Snapshots of finished requests' prompt + completion (`finished`: the next chat turn starts with it): a free
         slot restores the request's prompt snapshot and prefills just the completion, first in the window (a
         newcomer admitted into that slot resets it afterwards). One that does not fit the budget waits for a later
@@ -177,7 +178,7 @@ class Admission:
                 continue
             plan.pinned.add(snap)
             plan.admit.append(Admit(idle[0], ids, restore=hit.id, saves=((len(ids), snap),), emit=False))
-            self._continue(Filling(idle[0], ids, len(hit.ids), {len(ids): snap}), plan, first=True)
+            self._continue(Filling(idle[0], ids, at=len(hit.ids), saves={len(ids): snap}), plan, first=True)
         del self.extend[: -len(idle) or None]  # a bounded backlog: beyond one a slot, the oldest are given up
 
     def finished(self, ids: tuple[int, ...], completion: int) -> None:

@@ -4,21 +4,21 @@ Words: a *decode step* is one token for every live slot (engine/decode_step.py's
 is what `run_window()` does, nano-vllm's `step()`: schedule, run, postprocess. Schedule plans the window's prefill
 (admission.py: newcomers take free slots, long prompts go in pieces within a token budget) and sizes its decode (at
 most `decode.sync_every` decode steps, fewer when a slot reaches its budget sooner); the window goes to every rank
-(control.py) and every rank runs it (runner.py); postprocess reads the new tokens once, ends sequences at an eos id,
-a stop string or their budget, and frees their slots for the next window. The host looks at the device only there.
-The offline run and the server drive this same engine; the other ranks only follow its records. Requests under a
-grammar also have their matchers advanced there, and their next masks go out with the next window (grammar.py).
+(control.py) and every rank runs it (runner.py); postprocess (postprocess.py) reads the new tokens once, ends
+sequences at an eos id, a stop string or their budget, and the engine frees their slots for the next window. The host
+looks at the device only there. The offline run and the server drive this same engine; the other ranks only follow
+its records. Requests under a grammar also have their matchers advanced there, and their next masks go out with the
+next window (grammar.py).
 """
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from ..base.errors import K3Error
 from .admission import Admission
 from .control import Channel, Window
 from .decode_step import TOP, WIDEST
 from .grammar import Masks
+from .postprocess import Live, Postprocess
 from .prefix import PrefixIndex
 from .runner import Runner
 from .sampling import BadValue, SamplingMode, SamplingParams
@@ -26,16 +26,6 @@ from .sequences import Completion, Event, Prompt
 from .watch import MemoryWatch
 
 ROW_BUCKET = 256  # eager decode attends to MLA cache rows in multiples of this (few distinct shapes)
-
-
-@dataclass
-class _Live:
-    prompt: Prompt
-    out: Completion
-    assembler: object | None  # text/stream.py's TextAssembler when there is a tokenizer
-    produced: int = 1  # tokens produced on the device (the first comes from the prefill)
-    read: int = 0  # tokens the host has looked at
-    events: list = field(default_factory=list)
 
 
 class Engine:
@@ -56,14 +46,15 @@ class Engine:
         one prefill chunk)."""
         self.runner, self.channel, self.decode_step = runner, channel, runner.decode_step
         self.cache, self.watch = runner.cache, watch
-        self.sync_every, self.eos, self.make_assembler = sync_every, set(eos_ids), make_assembler
+        self.sync_every, self.make_assembler = sync_every, make_assembler
         self.admission = Admission(runner.prefill_chunk, prefill_budget or runner.prefill_chunk, prefix)
-        self.live: dict[int, _Live] = {}
+        self.live: dict[int, Live] = {}
         self.free = list(range(self.cache.batch))
         self.ended: list[int] = []  # slots freed since the last window, told to every rank with the next one
         self.done: list[Event] = []  # requests ended outside a window (aborted while waiting, empty budget)
         self.scoring: dict[int, Prompt] = {}  # prompts only scored (max_new_tokens 0) whose prefill ends in this window
         self.masks = Masks(self.cache.batch, runner.model.cfg.vocab_size)
+        self.post = Postprocess(self.decode_step, self.masks, eos_ids, make_assembler)
 
     @property
     def timings(self):
@@ -163,7 +154,7 @@ class Engine:
         self.timings.decode_tokens += window.steps * len(self.live)
         self.channel.compare(window, self.decode_step.out_tokens)
         self._report(window)
-        return events + self._postprocess(window)
+        return events + self.post.window(window, self.live, self.scoring, self.runner.scores, self._ended)
 
     def heartbeat(self) -> None:
         """Idle: an empty record, so the other ranks' wait for the next one never times out."""
@@ -202,7 +193,7 @@ class Engine:
                 self.scoring[f.slot] = f.prompt
                 continue
             assembler = self.make_assembler(f.prompt) if self.make_assembler else None
-            self.live[f.slot] = _Live(f.prompt, Completion(f.prompt.id, list(f.ids)), assembler)
+            self.live[f.slot] = Live(f.prompt, Completion(f.prompt.id, list(f.ids)), assembler)
             constrained |= f.prompt.grammar is not None  # its first token comes out of this window's prefill
         self.free = sorted(self.free + list(self.scoring))
         ended, self.ended = tuple(self.ended), []
@@ -225,109 +216,18 @@ class Engine:
         top = max([TOP, *(s.prompt.logprobs or 0 for s in self.live.values())])  # wider only where a slot asks
         return Window(**record, steps=steps, rows=rows, active=active, mode=mode, top=top)
 
+    def _ended(self, slot: int, s: Live) -> None:
+        """A sequence the window ended: its slot freed, its prompt + completion remembered for the prefix index."""
+        self._release(slot)
+        if self.prefix is not None:
+            self.admission.finished(s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens))
+
     def _release(self, slot: int) -> None:
         self.live.pop(slot, None)
         self.masks.end(slot)
         self.free.append(slot)
         self.free.sort()
         self.ended.append(slot)
-
-    # ------------------------------------------------------------------ postprocess
-
-    def _postprocess(self, window: Window) -> list[Event]:
-        """Look at the new tokens of every live slot (one device-to-host copy); end the finished sequences."""
-        scores = self.runner.scores  # prompts scored in this window's prefills, by slot
-        events = [self._scored_only(p, scores[slot]) for slot, p in self.scoring.items()]
-        if not self.live:
-            return events
-        for s in self.live.values():
-            s.produced += window.steps
-        lo = min(s.read for s in self.live.values())
-        hi = max(s.produced for s in self.live.values())
-        tokens = self.decode_step.out_tokens[:, lo:hi].tolist()
-        wanted = any(s.prompt.logprobs is not None for s in self.live.values())
-        scored = self._logprobs(lo, hi, window.top) if wanted else None
-        for slot, s in list(self.live.items()):
-            at = s.read - lo
-            new = tokens[slot][at : s.produced - lo]
-            s.read = s.produced
-            event = Event(s.prompt.id)
-            if slot in scores and s.prompt.prompt_logprobs is not None:
-                event.prompt_logprobs = scores[slot].entries()
-            finished = self._accept_tokens(slot, s, new, event)
-            if scored is not None and s.prompt.logprobs is not None:
-                event.logprobs = [scored(slot, at + i, s.prompt.logprobs) for i in range(len(event.tokens))]
-                s.out.logprobs += event.logprobs
-            if finished:
-                self._release(slot)
-                event.finish_reason, event.completion = s.out.finish_reason, self._complete(slot, s, event)
-                if self.prefix is not None:
-                    self.admission.finished(s.prompt.ids + tuple(s.out.tokens), len(s.out.tokens))
-            if event.tokens or event.finished:
-                events.append(event)
-        return events
-
-    def _scored_only(self, p: Prompt, scores) -> Event:
-        """The end of a prompt that was only scored (max_new_tokens 0): its prompt log-probabilities, no token."""
-        empty = Completion(p.id, list(p.ids), text="" if self.make_assembler else None)
-        return Event(p.id, finish_reason="length", completion=empty, prompt_logprobs=scores.entries())
-
-    def _logprobs(self, lo: int, hi: int, k: int):
-        """The window's log-probabilities, read once: (slot, index, k) -> (chosen token's, [(id, logprob) x k])."""
-        st = self.decode_step
-        ids, top = st.top_ids[:, lo:hi, :k].tolist(), st.top_values[:, lo:hi, :k].tolist()
-        lse, chosen = st.out_lse[:, lo:hi].tolist(), st.out_logit[:, lo:hi].tolist()
-
-        def scored(slot: int, i: int, k: int):  # tokens a mask or a ban took out (-inf) are no candidates
-            z, best = lse[slot][i], zip(ids[slot][i][:k], top[slot][i][:k], strict=True)
-            return chosen[slot][i] - z, [(t, v - z) for t, v in best if v != -math.inf]
-
-        return scored
-
-    def _accept_tokens(self, slot: int, s: _Live, new: list[int], event: Event) -> bool:
-        """Append tokens up to the first stop; True when the sequence is over. Before `min_tokens` tokens no stop
-        string counts (eos and stop ids cannot come: the step holds them back)."""
-        p = s.prompt
-        for token in new:
-            s.out.tokens.append(token)
-            event.tokens.append(token)
-            if (
-                not self.masks.accept(slot, token, p.id)
-                or token in p.stop_ids
-                or (token in self.eos and not p.ignore_eos)
-            ):
-                s.out.finish_reason = "stop"
-                return True
-            if s.assembler is not None:
-                text, stopped = s.assembler.feed([token], stops=len(s.out.tokens) > p.min_tokens)
-                event.text += text
-                if stopped is not None:
-                    s.out.finish_reason = "stop"
-                    return True
-            if len(s.out.tokens) == s.prompt.max_new_tokens:
-                return True
-        return False
-
-    def _complete(self, slot: int, s: _Live, event: Event) -> Completion:
-        n = len(s.out.tokens)
-        ids = self.decode_step.top_ids[slot, :n, :TOP].tolist()
-        values = self.decode_step.top_values[slot, :n, :TOP].tolist()
-        # a mask or a ban puts -inf among a row's top logits, but never first
-        bad = next(((t, v) for t, row in enumerate(values) for v in row if _bad(v, row[0])), None)
-        if bad is not None:  # NaN or inf weights (or config numbers) make garbage tokens, never a result
-            raise K3Error(
-                f"logit {bad[1]} at generated token {bad[0]} of request {s.out.id!r}: the checkpoint's weights "
-                "hold NaN/inf or overflow in this dtype"
-            )
-        s.out.top_logits = [[[i, v] for i, v in zip(a, b, strict=True)] for a, b in zip(ids, values, strict=True)]
-        if s.assembler is not None:
-            event.text += s.assembler.finish()  # nothing after a stop string
-            s.out.text = s.assembler.text
-        return s.out
-
-
-def _bad(value: float, best: float) -> bool:
-    return math.isnan(value) or value == math.inf or not math.isfinite(best)
 
 
 def follow(runner: Runner, channel: Channel) -> int:

@@ -70,6 +70,14 @@ def _emits(admit: Admit, end: int) -> bool:
 
 
 @dataclass
+class Prefilling:
+    """A prompt partly prefilled in its slot on this rank (admission.py's `Filling` is rank 0's view of it)."""
+
+    admit: Admit
+    at: int  # prompt tokens in the slot so far (a restored snapshot's included)
+
+
+@dataclass
 class _Logits:
     """One row of logits a window's prefill needs: from a restored snapshot (`value` at once), or the final hidden
     state [D] of a piece's last position (`value` once the window's LM head pass ran: Runner._heads)."""
@@ -99,7 +107,7 @@ class Runner:
         self.device = self.cache.positions.device
         self.timings = Timings()
         self.stage = "prefill"  # what the rank is doing: prefill or decode (named in a failure)
-        self.filling: dict[int, list] = {}  # slot -> [its Admit, prompt tokens in it]: prefills not yet done
+        self.filling: dict[int, Prefilling] = {}  # slot -> its prefill not yet done
         self.restored: dict[int, torch.Tensor] = {}  # slot -> logits of the snapshot it was restored from
         self.heads: list[_Logits] = []  # rows waiting for the window's LM head pass
         self.scoring: dict[int, PromptScores] = {}  # slot -> its prompt's positions scored so far
@@ -196,30 +204,31 @@ class Runner:
         last logits) of the prompts it finished that emit a token (logits from the window's LM head pass)."""
         _, start, end, _ = group[0]
         slots = [slot for slot, *_ in group]
-        snaps = [_save_at(self.filling[slot][0], end) for slot in slots]  # the snapshot each takes at `end`, if any
+        snaps = [_save_at(self.filling[slot].admit, end) for slot in slots]  # the snapshot each takes at `end`, if any
         if start == end:  # restored whole from a snapshot: its stored logits give the first token
             rows = [_Logits(value=self.restored.pop(slot).clone()) for slot in slots]  # the step may change them
         else:
             slot_ids = torch.tensor(slots, device=self.device)
-            ids = torch.tensor([self.filling[slot][0].ids[start:end] for slot in slots], device=self.device)
+            ids = torch.tensor([self.filling[slot].admit.ids[start:end] for slot in slots], device=self.device)
             h = self.model.prefill_hidden(ids, slot_ids, start)
             for row, slot in enumerate(slots):  # positions up to a prompt's last but one score its next token
-                prompt, wanted = self.filling[slot][0].ids, self.scoring.get(slot)
+                prompt, wanted = self.filling[slot].admit.ids, self.scoring.get(slot)
                 if wanted is not None and (n := min(end, len(prompt) - 1) - start) > 0:
                     following = torch.tensor(prompt[start + 1 : start + 1 + n], device=self.device)
                     wanted.parts.append(score(self.model, h[row, :n], following, wanted.k))
             # logits only where a token is emitted or a snapshot taken: a piece in the middle of a prompt would
             # read the whole head for logits nobody uses
+            admits = [self.filling[slot].admit for slot in slots]
             rows = [
-                _Logits(hidden=h[row, -1].clone()) if snap is not None or _emits(self.filling[slot][0], end) else None
-                for row, (slot, snap) in enumerate(zip(slots, snaps, strict=True))
+                _Logits(hidden=h[row, -1].clone()) if snap is not None or _emits(admit, end) else None
+                for row, (admit, snap) in enumerate(zip(admits, snaps, strict=True))
             ]
             del h
         done = []
         for slot, snap, logits in zip(slots, snaps, rows, strict=True):
             self.restored.pop(slot, None)
-            admit = self.filling[slot][0]
-            self.filling[slot][1] = end
+            admit = self.filling[slot].admit
+            self.filling[slot].at = end
             if logits is not None and logits.value is None:
                 logits.snap = snap
                 self.heads.append(logits)
@@ -245,7 +254,7 @@ class Runner:
             if any(row.snap == a.restore for row in self.heads):  # taken in this window: its logits first
                 self._heads()
             at, self.restored[a.slot] = self.snapshots.restore(a.restore, a.slot)
-        self.filling[a.slot] = [a, at]
+        self.filling[a.slot] = Prefilling(a, at)
         if a.score is not None:
             self.scoring[a.slot] = PromptScores(a.score)
 
@@ -273,10 +282,10 @@ class Runner:
             raise K3Error(f"{len(filling)} prompts are partly prefilled at once; the engine keeps it to one")
         tensors = self.cache.tensors
         with torch.inference_mode():
-            for slot, (_, at) in filling:
+            for slot, f in filling:
                 for name, kept in self.guard.items():
                     kept.copy_(tensors[name][slot])
-                self.cache.positions[slot] = at
+                self.cache.positions[slot] = f.at
         yield
         with torch.inference_mode():
             for slot, _ in filling:

@@ -151,13 +151,13 @@ def runtime_memory(
     graphs: int = 1,
     top: int = TOP,
     scoring: bool = False,
-    front: bool = False,
+    serves_http: bool = False,
     stored: int = 0,
 ) -> RuntimeMemory:
     """`out_len`: tokens each slot's output buffers hold (cache.cap); `graphs`: CUDA graphs captured (one per
     sampling mode the run may need); `top`: the output buffers' top-k width; `scoring`: whether prompts may be
-    scored (a server); `front`: this rank serves HTTP (rank 0 of a server); `stored`: the bytes its stored responses
-    may hold (rank 0 of a server)."""
+    scored (a server); `serves_http`: this rank serves HTTP (rank 0 of a server); `stored`: the bytes its stored
+    responses may hold (rank 0 of a server)."""
     V, Vl, s = cfg.vocab_size, -(-cfg.vocab_size // world), itemsize
     together = batch if prefills_together(device_type) else 1
     tokens = together * min(prefill_chunk, longest_prompt)
@@ -195,4 +195,4 @@ def runtime_memory(
     )
     P, H, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim  # one slot's KDA state (cache.py)
     guard = cfg.count(mixer="kda") * ((cfg.conv_kernel - 1) * 3 * P * s + H * d * d * 4)
-    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if front else 0, guard, stored)
+    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if serves_http else 0, guard, stored)

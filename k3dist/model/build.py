@@ -17,6 +17,14 @@ from .moe import DenseMLP, MoE
 from .tp import TPComm
 
 
+def choices(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, batch: int, pack: bool, cpu_ops: bool
+) -> dict[str, bool]:
+    """`widen` and `dense` for a model of `batch` slots whose kernels are the CPU ops (`cpu_ops`) or not: the rule the
+    run plan decides by (run/plan.py), and the one tests and benchmarks that build without a plan take."""
+    return {"widen": widened(dtype, device), "dense": experts_dense(cfg, batch, pack, moe_block=cpu_ops)}
+
+
 def build_model(
     cfg: ModelConfig,
     weights: dict[str, torch.Tensor],
@@ -26,20 +34,18 @@ def build_model(
     *,
     router_weights: str = "unbiased",
     pack: bool = False,
-    widen: bool | None = None,
-    dense: bool | None = None,
+    widen: bool,
+    dense: bool,
     quant: str = "none",
 ) -> K3Model:
     """With `pack`, the projections' weights are reordered for oneDNN one at a time (linear.py) and the plain ones leave
     `weights`, so at most one weight exists twice at any moment (three times for a dense expert layout's w2: plain,
-    permuted, packed). With `widen`, prefill GEMMs run in fp32 on widened blocks (linear.py; None: where the compute
-    dtype has no units). `dense`: the MoE experts held as one dense GEMM pair (the run plan's decision; None:
-    experts.py's policy for this cache's batch, for tests and benchmarks). With `quant="int8"` the projections
-    weights/quant_plan.py names become int8 the same way, one at a time."""
+    permuted, packed). With `widen`, prefill GEMMs run in fp32 on widened blocks (linear.py). `dense`: the MoE experts
+    held as one dense GEMM pair (experts.py). Both are the run plan's decisions, taken as they are (a model built
+    without a plan takes them from `choices`). With `quant="int8"` the projections weights/quant_plan.py names become
+    int8 the same way, one at a time."""
     w = weights.__getitem__
     dtype = weights["model.embed_tokens.weight"].dtype
-    dense = experts_dense(cfg, cache.batch, pack, kernels.moe_decode is not None) if dense is None else dense
-    widen = widened(dtype, cache.positions.device) if widen is None else widen
 
     def dense_experts(prefix: str) -> DenseExperts | None:
         if not dense:

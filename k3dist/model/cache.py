@@ -2,15 +2,12 @@
 
 `cache_shapes` is the one statement of what the cache holds; the memory plan counts it and the cache allocates it.
 Each mixer is handed its own tensors (model/decoder.py) and writes them in place: nothing is reallocated or copied
-between host and device per step. A slot is reset alone when it takes a new sequence; a host snapshot keeps a
-prefix and restores it without recomputing.
+between host and device per step. A slot is reset alone when it takes a new sequence; a prefix snapshot of one
+slot (engine/snapshots.py) restores a prefix without recomputing.
 """
-
-from dataclasses import dataclass
 
 import torch
 
-from ..base.errors import K3Error
 from ..config import ModelConfig
 
 
@@ -33,14 +30,6 @@ def cache_shapes(
 
 def cache_nbytes(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
     return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
-
-
-@dataclass
-class HostSnapshot:
-    """A cache's content on the host: every tensor, the latent only up to the longest slot's position."""
-
-    cap: int
-    tensors: dict[str, torch.Tensor]
 
 
 class HybridCache:
@@ -67,31 +56,3 @@ class HybridCache:
     def reset(self) -> None:
         for t in self.tensors.values():
             t.zero_()
-
-    def check_room(self, slot: int, start: int, n: int) -> None:
-        if start + n > self.cap:
-            raise K3Error(f"cache.cap={self.cap} tokens cannot hold {start} + {n} tokens in slot {slot}")
-
-    def to_host(self) -> HostSnapshot:
-        """Copy the content to the host (outside decode): one copy per tensor, never a view, even on the CPU."""
-        held = int(self.positions.max())
-        return HostSnapshot(
-            self.cap,
-            {n: (t[:, :held] if n.startswith("latent.") else t).to("cpu", copy=True) for n, t in self.tensors.items()},
-        )
-
-    def load_host(self, snap: HostSnapshot) -> None:
-        """Overwrite this cache with a snapshot, in place (host-to-device copies only)."""
-        held = int(snap.tensors["positions"].max())
-        if held > self.cap or set(snap.tensors) != set(self.tensors):
-            raise K3Error(f"snapshot of {held} tokens does not fit this cache (cap {self.cap})")
-        for name, t in self.tensors.items():
-            (t[:, :held] if name.startswith("latent.") else t).copy_(snap.tensors[name])
-
-    @classmethod
-    def from_host(
-        cls, snap: HostSnapshot, cfg: ModelConfig, world: int, dtype: torch.dtype, device: torch.device
-    ) -> "HybridCache":
-        cache = cls(cfg, world, snap.tensors["positions"].shape[0], snap.cap, dtype, device)
-        cache.load_host(snap)
-        return cache

@@ -1,5 +1,5 @@
 """The offline run: a thin loop over the engine. Every prompt goes in at once (each takes a slot as one frees up),
-the engine steps until every request has ended, and the other ranks are told to stop."""
+the engine runs windows until every request has ended, and the other ranks are told to stop."""
 
 from collections.abc import Callable
 

@@ -1,5 +1,5 @@
 """One rank's job: settings -> process group -> config -> prompts -> inventory -> plan/agree -> upload -> model ->
-generate -> result.json.
+front (run/fronts.py) -> result.json.
 
 `run_rank` is what every rank runs, whoever started it (launch.py in-process, its spawned ranks, torchrun). Every
 stage that can fail on one rank before the upload ends in an agreement (`staged`); a failure after the load (prefill,
@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,8 +33,8 @@ from ..weights.loader import load_weights
 from ..weights.memory import detect_free, mark_base, peak_bytes
 from ..weights.schema import expected_tensors
 from ..weights.whatif import plan_all_ranks
-from .generation import generate
-from .plan import plan_run
+from .fronts import FrontInputs, run_front
+from .plan import RunPlan, plan_run
 
 log = logging.getLogger("k3dist")
 
@@ -153,30 +154,37 @@ def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
     model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
     plan = plan_run(s, cfg, rt.world, rt.device, ranks=(rt.rank,))  # every rank alike, before anything is loaded
-    text, prompts, listener = None, [], None
-    if plan.run == "generate":
-        text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))
-        prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
-    elif plan.serving:  # the server's text and socket live on rank 0 only; a taken port is refused before the load
-        text = staged("tokenizer", rt, lambda: serving_text(model_dir, s.cache.cap) if rt.is_main else None)
-        listener = staged("serve", rt, lambda: listen(s.serve) if rt.is_main else None)
+    inputs = front_inputs(s, rt, cfg, plan, model_dir)
     inv = staged("inventory", rt, lambda: scan(model_dir, cfg))
     terms = plan.terms[rt.rank]
     store = load_weights(
         inv, rt, plan.dtype, terms, free=s.memory.free, faults=s.fault, drop_page_cache=s.memory.drop_page_cache
     )
     result = base_result(s, rt, cfg, rt.world) | {
-        "mode": s.run.mode,
+        "mode": plan.run,
         "model_dir": str(model_dir),
         "plan": store.all_memory,
         "runtime": plan.runtimes[rt.rank].as_dict(),
         "load_seconds": store.load_seconds,
     }
-    if s.run.mode == "load":
+    if plan.run == "load":
         return result
-    front = {"text": text, "prompts": prompts, "listener": listener, "model_dir": model_dir}
-    front["admitted"] = [p["admitted"] for p in store.all_memory]
-    return result | generate(s, rt, cfg, store.tensors, plan, **front)
+    inputs = replace(inputs, admitted=[p["admitted"] for p in store.all_memory])
+    return result | run_front(s, rt, cfg, store.tensors, plan, inputs)
+
+
+def front_inputs(s: Settings, rt: dist.Runtime, cfg: ModelConfig, plan: RunPlan, model_dir: Path) -> FrontInputs:
+    """The stages of rank 0's front before the load: an offline run's tokenizer and prompts; a server's tokenizer and
+    socket, on rank 0 only (a taken port is refused before the load)."""
+    if plan.run == "generate":
+        text = staged("tokenizer", rt, lambda: _text_tools(s, model_dir))
+        prompts = staged("prompts", rt, lambda: build_prompts(s, cfg, text))
+        return FrontInputs(model_dir=model_dir, text=text, prompts=prompts)
+    if plan.serving:
+        text = staged("tokenizer", rt, lambda: serving_text(model_dir, s.cache.cap) if rt.is_main else None)
+        sockets = staged("serve", rt, lambda: listen(s.serve) if rt.is_main else None)
+        return FrontInputs(model_dir=model_dir, text=text, sockets=sockets)
+    return FrontInputs(model_dir=model_dir)
 
 
 def write_result(result: dict, out: str | None) -> None:

@@ -17,17 +17,17 @@ from ..engine.decode_step import TOP, WIDEST, capture_kind
 from ..engine.prefix import BRANCH_MEMORY
 from ..engine.runtime_memory import RuntimeMemory, runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
-from ..kernels.backend import expected, select
+from ..kernels.backend import Kernels, expected, select
+from ..model.build import choices
 from ..model.cache import cache_nbytes, cache_shapes
-from ..model.experts import experts_dense
-from ..model.linear import packs, widened
+from ..model.linear import packs
 from ..offline.prompts import cli_sampling
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
 from ..weights.quant_plan import int8_terms
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
     run: str  # generate, serve or load
     world: int
@@ -35,6 +35,8 @@ class RunPlan:
     modes: tuple[SamplingMode, ...]  # sampling modes the step is built for (a CUDA graph each)
     longest: int  # the longest prompt planned for
     kind: str  # how the decode step runs: eager, graph or compile
+    kernels: Kernels | None  # the kernels selected, once (None in a what-if, which builds none)
+    width: int  # the step's log-probability width: WIDEST for a server (any request may ask), else TOP
     pack: bool  # weights packed for oneDNN at bind time
     widen: bool  # prefill GEMMs widened to fp32 (a CPU without units for the compute dtype)
     dense: bool  # MoE experts held as one dense GEMM pair (model/experts.py)
@@ -64,20 +66,22 @@ def plan_run(
         longest = 1
     kind = capture_kind(s.decode.compile, device)  # every rank alike, before anything is loaded
     # the kernels the run selects (a what-if asks which it would, without building them)
-    backend = expected(s.kernels.backend, device) if s.run.mode == "plan" else select(s.kernels.backend, device).name
+    kernels = None if s.run.mode == "plan" else select(s.kernels.backend, device)
+    backend = expected(s.kernels.backend, device) if kernels is None else kernels.name
     cpu_ops = backend == "cpu"  # the CPU ops: the decode-rows op and the one-op MoE block
+    width = WIDEST if serving else TOP
     pack = run != "load" and kind == "eager" and packs(dtype, device, g.batch, rows_op=cpu_ops)
-    widen = run != "load" and widened(dtype, device)
-    dense = experts_dense(cfg, g.batch, pack, moe_block=cpu_ops)
+    bound = choices(cfg, dtype, device, batch=g.batch, pack=pack, cpu_ops=cpu_ops)
+    widen, dense = run != "load" and bound["widen"], bound["dense"]
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
     host = s.prefix.host_bytes if device.type == "cpu" else 0
     pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
     reserve = s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
     sample = any(m.sample for m in modes)
-    by_front = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
-    for front in {serving and rank == 0 for rank in ranks}:
-        by_front[front] = runtime_memory(
+    by_role = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
+    for serves_http in {serving and rank == 0 for rank in ranks}:
+        by_role[serves_http] = runtime_memory(
             cfg,
             world,
             batch=g.batch,
@@ -90,21 +94,39 @@ def plan_run(
             dense_experts=dense,
             widen=widen,
             graphs=len(modes),
-            top=WIDEST if serving else TOP,
+            top=width,
             scoring=serving,
-            front=front,
-            stored=s.serve.store_bytes if front and s.serve.store_responses else 0,  # the Responses API's store
+            serves_http=serves_http,
+            stored=s.serve.store_bytes if serves_http and s.serve.store_responses else 0,  # the Responses API's store
         )
     runtimes, terms = {}, {}
     for rank in ranks:
-        runtimes[rank] = by_front[serving and rank == 0]
+        runtimes[rank] = by_role[serving and rank == 0]
         saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
-        derived = _derived(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
-        terms[rank] = MemoryTerms(cache, runtimes[rank].total, derived, pool, saved, reserve)
-    return RunPlan(run, world, dtype, modes, longest, kind, pack, widen, dense, reuse, runtimes, terms)
+        derived = _derived(cfg, world, dtype, pack=pack, dense=dense, int8=s.model.quant == "int8", transient=int8)
+        runtime = runtimes[rank].total
+        terms[rank] = MemoryTerms(
+            cache=cache, runtime=runtime, derived=derived, prefix=pool, saved=saved, reserve=reserve
+        )
+    return RunPlan(
+        run=run,
+        world=world,
+        dtype=dtype,
+        modes=modes,
+        longest=longest,
+        kind=kind,
+        kernels=kernels,
+        width=width,
+        pack=pack,
+        widen=widen,
+        dense=dense,
+        reuse=reuse,
+        runtimes=runtimes,
+        terms=terms,
+    )
 
 
-def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, pack: bool, dense: bool, int8: bool, transient: int):
+def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, *, pack: bool, dense: bool, int8: bool, transient: int):
     """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
     dense experts (model/experts.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
     int8 (weights/quant_plan.py) makes one int8 copy at a time instead (`transient`), and the LM head is then not

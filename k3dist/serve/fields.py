@@ -20,7 +20,7 @@ from .tools import ToolCalls, ToolFormat, ToolPlan, chat_format, tool_plan
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckedFields:
     """What one request asks of the engine beyond its prompt: its sampling, more Prompt fields (`engine`), and its
     tool calls; for a chat, its format (`form`), where its prompt leaves the answer (`opened`) and the grammar that
     waits on that (`pending`, Forms.bind)."""
@@ -46,7 +46,7 @@ class Forms:
         self.form = chat_format(tokenizer, template)
         self.grammars = Grammars(tokenizer, vocab, self.form)
 
-    def plan(self, req: Sampling) -> Plan:
+    def plan(self, req: Sampling) -> CheckedFields:
         """Check the output-shaping fields of a parsed request (a 400 naming the first bad one); may compile a grammar
         (call it off the event loop). A chat's grammar that depends on where its prompt leaves the answer (K3's) is
         compiled by `bind`."""
@@ -85,9 +85,9 @@ class Forms:
             raise bad(f"{exc.named(HTTP_NAMES.get(exc.field, exc.field))}", HTTP_NAMES.get(exc.field)) from None
         engine = {"stop_ids": tuple(stop_ids), "ignore_eos": req.ignore_eos, "grammar": grammar}
         engine |= {"skip_special": req.skip_special_tokens, "spaced_special": req.spaces_between_special_tokens}
-        return Plan(sampling, engine, tools, form, pending=ask if later else None)
+        return CheckedFields(sampling=sampling, engine=engine, tools=tools, form=form, pending=ask if later else None)
 
-    def bind(self, plan: Plan, prompt_ids) -> Plan:
+    def bind(self, plan: CheckedFields, prompt_ids) -> CheckedFields:
         """A chat's plan once its prompt is tokenized: where the prompt leaves the answer, and the grammar that
         waited on it compiled (a 400 naming its field when it cannot be)."""
         if plan.form is None:

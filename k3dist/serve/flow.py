@@ -16,7 +16,7 @@ from ..engine.sequences import Prompt
 from .chat_prompt import rendering
 from .completions import Batch, batch_choices, budgets, prompt_batch
 from .errors import bad
-from .fields import Plan
+from .fields import CheckedFields
 from .loop import Failure
 from .protocol import choices
 from .schema import ChatRequest, Sampling
@@ -33,7 +33,7 @@ class Submitted:
     """A request in the engine loop: what it asked (`req`, `plan`), its prompts and the queue their events come to."""
 
     req: Sampling
-    plan: Plan
+    plan: CheckedFields
     batch: Batch
     prompts: list[Prompt]
     events: asyncio.Queue

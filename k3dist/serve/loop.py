@@ -2,10 +2,10 @@
 
 HTTP handlers (uvicorn's thread) `submit` a request's choices with a sink for their events and `abort` them when
 the client goes away; they never touch the engine. The main thread takes what came in at the top of every window,
-steps the engine (which sends the window to every rank), and hands each event to its request's sink. Idle, it waits
-for the next request and sends a heartbeat record at least every `heartbeat_s`. A signal starts the drain: no new
-requests, in-flight ones may finish for `serve.drain_s`, then the ranks are told to stop. A failure anywhere in a
-step fails every request still in flight before it ends the process.
+runs the window (`engine.run_window()`, which sends it to every rank), and hands each event to its request's sink.
+Idle, it waits for the next request and sends a heartbeat record at least every `heartbeat_s`. A signal starts the
+drain: no new requests, in-flight ones may finish for `serve.drain_s`, then the ranks are told to stop. A failure
+anywhere in a window fails every request still in flight before it ends the process.
 """
 
 import queue
@@ -120,7 +120,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ the main thread
 
     def run(self) -> int:
-        """Serve until a signal's drain is over; returns the exit code (128 + the signal). A failure in a step fails
+        """Serve until a signal's drain is over; returns the exit code (128 + the signal). A failure in a window fails
         every request in flight and is raised again."""
         try:
             while True:

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..base import dist, signals
+from ..base import dist, signals, store
 from ..base.errors import K3Error
 from ..base.failures import after_load
 
@@ -95,7 +95,7 @@ def serve(s, rt: dist.Runtime, engine, *, text, cfg, sock: Sockets, model_dir, p
         time.sleep(0.01)
     signals.defer(loop.drain)
     if rt.world > 1:  # a follower signalled alone asks for the drain through the rendezvous store
-        dist.on_drain_asked(loop.drain)
+        store.on_drain_asked(loop.drain)
     host, port = sock.http.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     print(

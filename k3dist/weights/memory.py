@@ -12,7 +12,7 @@ from .reads import read_bytes, schedule, staging
 from .tp_plan import ShardPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryTerms:
     """A rank's bytes besides its share of the checkpoint and the staging ring, which the tensor plan gives: decided
     once per run (run/plan.py) and added up here."""

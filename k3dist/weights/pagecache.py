@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..base.dist import Runtime, count
+from ..base.dist import Runtime
+from ..base.store import count
 
 log = logging.getLogger("k3dist")
 MODES = ("auto", "on", "off")

@@ -19,7 +19,6 @@ from ..kernels.quant import ROWS, int8_bytes
 from .tp_plan import plan_rank, store_shapes
 from .whatif import config_entries
 
-QUANTS = ("none", "int8")
 QUANTIZED = re.compile(
     r"^lm_head\.weight$"
     r"|\.self_attn\.(in_proj|fg_b_proj|q_kv_a_proj|o_proj)\.weight$"

@@ -9,7 +9,7 @@ from k3dist.config import load_config, validate_topology
 from k3dist.engine.decode_step import DecodeStep
 from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.kernels.backend import select
-from k3dist.model.build import build_model
+from k3dist.model.build import build_model, choices
 from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
 from k3dist.model.linear import packable
 from k3dist.model.tp import TPComm
@@ -39,7 +39,9 @@ def bind(
     cache = HybridCache(cfg, rt.world, batch, cap, dt, rt.device)
     comm = TPComm(rt.world, rt.rank, cfg.vocab_size)
     pack = pack and packable(dt, rt.device)
-    model = build_model(cfg, store.tensors, comm, cache, select(backend, rt.device), router_weights=router, pack=pack)
+    kernels = select(backend, rt.device)
+    planned = choices(cfg, dt, rt.device, batch=batch, pack=pack, cpu_ops=kernels.name == "cpu")
+    model = build_model(cfg, store.tensors, comm, cache, kernels, router_weights=router, pack=pack, **planned)
     return rt, cfg, model, cache
 
 

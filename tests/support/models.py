@@ -5,7 +5,7 @@ import torch
 
 from k3dist.config import parse_config
 from k3dist.kernels.backend import select
-from k3dist.model.build import build_model
+from k3dist.model.build import build_model, choices
 from k3dist.model.cache import HybridCache
 from k3dist.model.tp import TPComm
 from k3dist.twin.checkpoint import init_tensor
@@ -42,5 +42,7 @@ def random_model(
     dev = torch.device(device)
     cache = HybridCache(cfg, 1, batch, cap, dtype, dev)
     weights = {k: v.to(dev) for k, v in random_weights(cfg, dtype, seed).items()}
-    model = build_model(cfg, weights, comm or TPComm(1, 0, cfg.vocab_size), cache, select(backend, dev))
+    kernels = select(backend, dev)
+    planned = choices(cfg, dtype, dev, batch=batch, pack=False, cpu_ops=kernels.name == "cpu")
+    model = build_model(cfg, weights, comm or TPComm(1, 0, cfg.vocab_size), cache, kernels, **planned)
     return cfg, model, cache

@@ -8,7 +8,7 @@ from k3dist.config import parse_config
 from k3dist.kernels import cpu_ops
 from k3dist.kernels.backend import select
 from k3dist.kernels.quant import dequantize, int8_bytes, quantize_int8
-from k3dist.model.build import build_model
+from k3dist.model.build import build_model, choices
 from k3dist.model.cache import HybridCache
 from k3dist.model.linear import Int8Linear
 from k3dist.model.tp import TPComm
@@ -93,8 +93,10 @@ def test_plan_counts_what_binding_quantises(name, world):
         shapes = store_shapes(plan_rank(cfg, config_entries(cfg), world, rank, dtype))
         weights = {k: torch.randn(shape).to(dt) for k, (shape, dt) in shapes.items()}
         cache = HybridCache(cfg, world, 1, 8, dtype, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        planned = choices(cfg, dtype, cpu, batch=1, pack=False, cpu_ops=False)  # the torch kernels
         model = build_model(
-            cfg, weights, TPComm(world, rank, cfg.vocab_size), cache, select("torch", torch.device("cpu")), quant="int8"
+            cfg, weights, TPComm(world, rank, cfg.vocab_size), cache, select("torch", cpu), quant="int8", **planned
         )
         made = list(_linears(model))
         assert len(made) == sum((s[0][0] if len(s[0]) == 3 else 1) for k, s in shapes.items() if quantized(k))
