@@ -37,8 +37,9 @@ def bind(batch: int, cap: int, backend: str, pack: str):
     from k3dist.config import load_config
     from k3dist.engine.decode_step import DecodeStep
     from k3dist.kernels.backend import select
+    from k3dist.memory.terms import cache_nbytes
     from k3dist.model.build import build_model
-    from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+    from k3dist.model.cache import HybridCache, cache_shapes
     from k3dist.model.linear import packable, packs
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan

@@ -26,8 +26,9 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
 
     from k3dist.base import dist
     from k3dist.kernels.backend import select
+    from k3dist.memory.terms import cache_nbytes
     from k3dist.model.build import build_model
-    from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+    from k3dist.model.cache import HybridCache, cache_shapes
     from k3dist.model.linear import packable
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan

@@ -5,15 +5,14 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels.backend import Kernels
+from ..kinds.registry import kinds_of
 from ..weights.quant_plan import quantized
 from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
 from .experts import DenseExperts, experts_dense
-from .kda import KDA
+from .kinds import BuildOptions, build_kind
 from .layers import Binding
 from .linear import Int8Linear, Linear, widened
-from .mla import MLA
-from .moe import DenseMLP, MoE
 from .tp import TPComm
 
 
@@ -59,20 +58,13 @@ def build_model(
         return make(weight)
 
     bind = Binding(w, lin, cfg, comm, kernels, dtype, widen)
-    layers = []
+    layers, options = [], BuildOptions(router_weights == "biased", dense_experts)
     for spec in cfg.layers:
         p = f"model.layers.{spec.index}."
-        attn = p + "self_attn."
-        if spec.mixer == "kda":
-            conv, state = cache.layer("conv", spec.index), cache.layer("state", spec.index)
-            mixer = KDA(bind, attn, conv, state)
-        else:
-            mixer = MLA(bind, attn, cache.layer("latent", spec.index))
-        if spec.mlp == "dense":
-            mlp = DenseMLP(bind, p + "mlp.")
-        else:
-            moe = p + "block_sparse_moe."
-            mlp = MoE(bind, moe, biased=router_weights == "biased", dense=dense_experts(moe))
+        mixer, mlp = (
+            build_kind(kind, bind, p, [cache.layer(e.name, spec.index) for e in kind.cache], options)
+            for kind in kinds_of(spec)
+        )
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
     embed, norm, head = w("model.embed_tokens.weight"), w("model.norm.weight"), lin("lm_head.weight")

@@ -1,4 +1,5 @@
-"""HybridCache: per-slot KDA conv + recurrent state, MLA latent rows and positions, allocated once on the device.
+"""HybridCache: each mixer kind's per-slot entries (KDA conv + recurrent state, MLA latent rows) and positions,
+allocated once on the device.
 
 `cache_shapes` is the one statement of what the cache holds; the memory plan counts it and the cache allocates it.
 Each mixer is handed its own tensors (model/decoder.py) and writes them in place: nothing is reallocated or copied
@@ -12,27 +13,25 @@ import torch
 
 from ..base.errors import K3Error
 from ..config import ModelConfig
+from ..kinds.registry import MIXERS, cache_entry
 
 
 def cache_shapes(
     cfg: ModelConfig, world: int, batch: int, cap: int, dtype: torch.dtype
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every cache tensor on one rank: `conv.{i}`, `state.{i}` per KDA layer,
-    `latent.{i}` per MLA layer, and `positions` (tokens held per slot)."""
-    Pl, Hl, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim
+    """Name -> (shape, dtype) of every cache tensor on one rank: `{entry}.{i}` for each cache entry of layer i's
+    mixer kind (kinds/: KDA's `conv` and `state`, MLA's `latent`), and `positions` (tokens held per slot)."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for spec in cfg.layers:
-        if spec.mixer == "kda":
-            out[f"conv.{spec.index}"] = ((batch, cfg.conv_kernel - 1, 3, Pl), dtype)  # the last K-1 q, k, v inputs
-            out[f"state.{spec.index}"] = ((batch, Hl, d, d), torch.float32)  # key-major S[h, k, v]
-        else:
-            out[f"latent.{spec.index}"] = ((batch, cap, cfg.kv_lora_rank + cfg.qk_rope_dim), dtype)
+        for entry in MIXERS[spec.mixer].cache:
+            out[f"{entry.name}.{spec.index}"] = (entry.shape(cfg, world, batch, cap), entry.dtype or dtype)
     out["positions"] = ((batch,), torch.int64)
     return out
 
 
-def cache_nbytes(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
-    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
+def _grows(name: str) -> bool:
+    entry = cache_entry(name)
+    return entry is not None and entry.grows
 
 
 @dataclass
@@ -77,7 +76,7 @@ class HybridCache:
         held = int(self.positions.max())
         return HostSnapshot(
             self.cap,
-            {n: (t[:, :held] if n.startswith("latent.") else t).to("cpu", copy=True) for n, t in self.tensors.items()},
+            {n: (t[:, :held] if _grows(n) else t).to("cpu", copy=True) for n, t in self.tensors.items()},
         )
 
     def load_host(self, snap: HostSnapshot) -> None:
@@ -86,7 +85,7 @@ class HybridCache:
         if held > self.cap or set(snap.tensors) != set(self.tensors):
             raise K3Error(f"snapshot of {held} tokens does not fit this cache (cap {self.cap})")
         for name, t in self.tensors.items():
-            (t[:, :held] if name.startswith("latent.") else t).copy_(snap.tensors[name])
+            (t[:, :held] if _grows(name) else t).copy_(snap.tensors[name])
 
     @classmethod
     def from_host(

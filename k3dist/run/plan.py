@@ -14,17 +14,16 @@ import torch
 
 from ..config import ModelConfig
 from ..engine.decode_step import TOP, WIDEST, capture_kind
-from ..engine.prefix import BRANCH_MEMORY
-from ..engine.runtime_memory import RuntimeMemory, runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
 from ..kernels.backend import expected, select
-from ..model.cache import cache_nbytes, cache_shapes
+from ..memory.runtime import RuntimeMemory, runtime_memory
+from ..memory.terms import bind_bytes, cache_nbytes, int8_terms, prefix_pool_bytes
+from ..model.cache import cache_shapes
 from ..model.experts import experts_dense
 from ..model.linear import packs, widened
 from ..offline.prompts import cli_sampling
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
-from ..weights.quant_plan import int8_terms
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ def plan_run(
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
     host = s.prefix.host_bytes if device.type == "cpu" else 0
-    pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
+    pool = prefix_pool_bytes(s.prefix.bytes, host) if reuse else 0  # the snapshots, and rank 0's remembered ids
     reserve = s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
     sample = any(m.sample for m in modes)
     by_front = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
@@ -99,18 +98,6 @@ def plan_run(
     for rank in ranks:
         runtimes[rank] = by_front[serving and rank == 0]
         saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
-        derived = _derived(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
+        derived = bind_bytes(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
         terms[rank] = MemoryTerms(cache, runtimes[rank].total, derived, pool, saved, reserve)
     return RunPlan(run, world, dtype, modes, longest, kind, pack, widen, dense, reuse, runtimes, terms)
-
-
-def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, pack: bool, dense: bool, int8: bool, transient: int):
-    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
-    dense experts (model/experts.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
-    int8 (weights/quant_plan.py) makes one int8 copy at a time instead (`transient`), and the LM head is then not
-    packed."""
-    if not pack:
-        return transient
-    head = 0 if int8 else -(-cfg.vocab_size // world) * cfg.hidden_size
-    experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // world) if dense else 0
-    return max(max(head, experts) * dtype.itemsize, transient)

@@ -8,11 +8,12 @@ from k3dist.config import parse_config
 from k3dist.kernels import cpu_ops
 from k3dist.kernels.backend import select
 from k3dist.kernels.quant import dequantize, int8_bytes, quantize_int8
+from k3dist.memory.terms import int8_terms
 from k3dist.model.build import build_model
 from k3dist.model.cache import HybridCache
 from k3dist.model.linear import Int8Linear
 from k3dist.model.tp import TPComm
-from k3dist.weights.quant_plan import int8_terms, quantized
+from k3dist.weights.quant_plan import quantized
 from k3dist.weights.tp_plan import plan_rank, store_shapes
 from k3dist.weights.whatif import config_entries
 from tests.ranks.test_parity import CONFIGS
