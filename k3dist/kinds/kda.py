@@ -99,4 +99,5 @@ KDA = LayerKind(
     ),
     activation=_activation,
     widest_input=lambda cfg, world: cfg.kda_dim // world,
+    quantized=r"\.self_attn\.(in_proj|fg_b_proj|o_proj)\.weight$",
 )

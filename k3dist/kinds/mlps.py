@@ -36,6 +36,7 @@ DENSE = LayerKind(
     policy=(_GATE_UP, _DOWN),
     activation=_dense_activation,
     widest_input=lambda cfg, world: cfg.intermediate_size // world,
+    quantized=r"\.mlp\.(gate_up_proj|down_proj)\.weight$",
 )
 
 

@@ -69,6 +69,7 @@ class LayerKind:
     cache: tuple[CacheEntry, ...] = ()  # what a layer of this kind keeps per slot (mixers)
     layer_list: str = ""  # its list of 1-based layers in linear_attn_config (mixers)
     decode_op_bytes: Callable[..., int] = lambda cfg, world, batch, cap: 0  # a CPU decode op's kept buffers
+    quantized: str = ""  # regex of its store keys model.quant=int8 turns into int8 ("": none)
 
     def present(self, cfg) -> int:
         """How many of `cfg`'s layers are of this kind."""

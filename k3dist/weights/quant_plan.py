@@ -13,12 +13,11 @@ What the rank holds afterwards is `bound_bytes` = local_bytes minus what int8 sa
 
 import re
 
+from ..kinds.registry import KINDS
+
 QUANTS = ("none", "int8")
-QUANTIZED = re.compile(
-    r"^lm_head\.weight$"
-    r"|\.self_attn\.(in_proj|fg_b_proj|q_kv_a_proj|o_proj)\.weight$"
-    r"|\.mlp\.(gate_up_proj|down_proj)\.weight$"
-)
+# the LM head, and each layer kind's own projections (kinds/: its `quantized`)
+QUANTIZED = re.compile("|".join((r"^lm_head\.weight$", *(kind.quantized for kind in KINDS if kind.quantized))))
 
 
 def quantized(key: str) -> bool:

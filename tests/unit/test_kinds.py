@@ -33,7 +33,7 @@ def test_every_kind_declares_every_spec_entry():
     """Each kind sets every field of LayerKind (a mixer also its layer list and cache entries), and model/kinds.py
     builds exactly the registry's kinds."""
     assert [k.name for k in KINDS] == [*MIXERS, *MLPS] and len(set(MIXERS) | set(MLPS)) == len(KINDS)
-    required = {f.name for f in dataclasses.fields(LayerKind)} - {"cache", "layer_list", "decode_op_bytes"}
+    required = {f.name for f in dataclasses.fields(LayerKind)} - {"cache", "layer_list", "decode_op_bytes", "quantized"}
     for kind in KINDS:
         missing = [name for name in sorted(required) if getattr(kind, name) in (None, "")]
         assert not missing, (kind.name, missing)
