@@ -106,7 +106,7 @@ class Runner:
         self.scoring: dict[int, PromptScores] = {}  # slot -> its prompt's positions scored so far
         self.scores: dict[int, PromptScores] = {}  # rank 0: the prompts scored whole in the last window, by slot
         states = {n: t for n, t in self.cache.tensors.items() if (e := cache_entry(n)) is not None and not e.grows}
-        self.guard = {n: torch.empty_like(t[0]) for n, t in states.items()}  # one slot's KDA state, set aside
+        self.guard = {n: torch.empty_like(t[0]) for n, t in states.items()}  # one slot's states (KDA's), set aside
 
     def run(self, window: Window) -> None:
         self.scores = {}

@@ -2,9 +2,9 @@
 allocated once on the device.
 
 `cache_shapes` is the one statement of what the cache holds; the memory plan counts it and the cache allocates it.
-Each mixer is handed its own tensors (model/decoder.py) and writes them in place: nothing is reallocated or copied
-between host and device per step. A slot is reset alone when it takes a new sequence; a host snapshot keeps a
-prefix and restores it without recomputing.
+Each mixer is handed its own tensors (model/build.py, in its spec's order) and writes them in place: nothing is
+reallocated or copied between host and device per step. A slot is reset alone when it takes a new sequence; a host
+snapshot keeps a prefix and restores it without recomputing.
 """
 
 from dataclasses import dataclass
