@@ -88,7 +88,7 @@ def decode_point(cfg, weights, args, batch: int) -> dict:
     cache = HybridCache(cfg, 1, batch, args.context + args.steps + 8, dtype, dev)
     kernels = select(args.backend, dev)
     planned = choices(cfg, dtype, dev, batch=batch, pack=False, cpu_ops=kernels.name == "cpu")
-    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, kernels, **planned)
+    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, kernels, **vars(planned))
     kind = capture_kind("auto", dev)
     step = DecodeStep(model, cache, kind=kind)
     step.warm_up()
@@ -126,7 +126,7 @@ def ttft(cfg, weights, args) -> dict:
     cache = HybridCache(cfg, 1, 1, args.prompt_len + 8, dtype, dev)
     kernels = select(args.backend, dev)
     planned = choices(cfg, dtype, dev, batch=1, pack=False, cpu_ops=kernels.name == "cpu")
-    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, kernels, **planned)
+    model = build_model(cfg, weights, TPComm(1, 0, cfg.vocab_size), cache, kernels, **vars(planned))
     runner = Runner(DecodeStep(model, cache), prefill_chunk=args.chunk)
     ids = tuple(seeded_ids(1, args.prompt_len, cfg.vocab_size, 0)[0])
     times = []

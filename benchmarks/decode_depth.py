@@ -37,8 +37,9 @@ def bind(batch: int, cap: int, backend: str, pack: str):
     from k3dist.config import load_config
     from k3dist.engine.decode_step import DecodeStep
     from k3dist.kernels.backend import select
+    from k3dist.memory.terms import cache_nbytes
     from k3dist.model.build import build_model, choices
-    from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+    from k3dist.model.cache import HybridCache, cache_shapes
     from k3dist.model.linear import packable, packs
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
@@ -61,7 +62,7 @@ def bind(batch: int, cap: int, backend: str, pack: str):
     }[pack]
     print(f"  weights {'packed' if packed else 'plain'}", flush=True)
     planned = choices(cfg, dt, rt.device, batch=batch, pack=packed, cpu_ops=kernels.name == "cpu")
-    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=packed, **planned)
+    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=packed, **vars(planned))
     return model, cache, DecodeStep(model, cache)
 
 

@@ -26,8 +26,9 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
 
     from k3dist.base import dist
     from k3dist.kernels.backend import select
+    from k3dist.memory.terms import cache_nbytes
     from k3dist.model.build import build_model, choices
-    from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+    from k3dist.model.cache import HybridCache, cache_shapes
     from k3dist.model.linear import packable
     from k3dist.model.tp import TPComm
     from k3dist.weights.inventory import scan
@@ -44,7 +45,7 @@ def build(cfg, twin, quant: str, cap: int, dtype_name: str = "bfloat16"):
     pack = packable(dtype, rt.device)
     kernels = select("auto", rt.device)
     planned = choices(cfg, dtype, rt.device, batch=1, pack=pack, cpu_ops=kernels.name == "cpu")
-    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=pack, quant=quant, **planned)
+    model = build_model(cfg, store.tensors, comm, cache, kernels, pack=pack, quant=quant, **vars(planned))
     return model, cache
 
 

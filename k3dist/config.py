@@ -10,13 +10,15 @@ from pathlib import Path
 from .base.dtypes import compute_dtype
 from .base.errors import K3Error
 from .base.files import read_json
+from .kinds.mlps import DENSE, MOE
+from .kinds.registry import MIXERS, MLPS, present
 
 MODEL_TYPES = {"kimi_linear", "kimi_k3", "Kimi-K3"}
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its token mixer (`kda` or `mla`) and its MLP (`dense` or `moe`)."""
+    """One decoder layer: the names of its token mixer kind and its MLP kind (kinds/registry.py)."""
 
     index: int
     mixer: str
@@ -100,21 +102,24 @@ def _get(raw: dict, source: str, *names, default=KeyError, kind=int):
 
 
 def _layer_mixers(raw: dict, n: int, source: str) -> list[str]:
-    lac = raw.get("linear_attn_config")
-    if isinstance(lac, dict) and "kda_layers" in lac and "full_attn_layers" in lac:
-        kda, full = lac["kda_layers"], lac["full_attn_layers"]
-        if not all(isinstance(x, list) and all(type(i) is int for i in x) for x in (kda, full)):
-            raise K3Error(f"{source}: linear_attn_config.kda_layers/full_attn_layers must be lists of 1-based layers")
-        if len(kda) + len(full) != n or sorted(kda + full) != list(range(1, n + 1)):  # length first: n may be huge
+    """Each layer's mixer kind, from linear_attn_config's 1-based list per kind or from `layer_types`."""
+    lac, lists = raw.get("linear_attn_config"), "/".join(k.layer_list for k in MIXERS.values())
+    if isinstance(lac, dict) and all(k.layer_list in lac for k in MIXERS.values()):
+        given = {k.name: lac[k.layer_list] for k in MIXERS.values()}
+        if not all(isinstance(x, list) and all(type(i) is int for i in x) for x in given.values()):
+            raise K3Error(f"{source}: linear_attn_config.{lists} must be lists of 1-based layers")
+        # length first: n may be huge
+        if sum(map(len, given.values())) != n or sorted(i for x in given.values() for i in x) != list(range(1, n + 1)):
+            named = " + ".join(f"{k.layer_list} {given[k.name]}" for k in MIXERS.values())
             raise K3Error(
-                f"{source}: linear_attn_config kda_layers {kda} + full_attn_layers {full} must list each of the "
-                f"{n} layers 1..{n} exactly once (1-based)"
+                f"{source}: linear_attn_config {named} must list each of the {n} layers 1..{n} exactly once (1-based)"
             )
-        return ["kda" if (i + 1) in kda else "mla" for i in range(n)]
-    types = raw.get("layer_types")
-    if isinstance(types, list) and len(types) == n and all(t in ("linear_attention", "full_attention") for t in types):
-        return ["kda" if t == "linear_attention" else "mla" for t in types]
-    raise K3Error(f"{source}: needs linear_attn_config.kda_layers/full_attn_layers (or layer_types of length {n})")
+        by_layer = {i: name for name, layers in given.items() for i in layers}
+        return [by_layer[i + 1] for i in range(n)]
+    types, by_type = raw.get("layer_types"), {k.layer_type: k.name for k in MIXERS.values()}
+    if isinstance(types, list) and len(types) == n and all(t in by_type for t in types):
+        return [by_type[t] for t in types]
+    raise K3Error(f"{source}: needs linear_attn_config.{lists} (or layer_types of length {n})")
 
 
 def _layer_mlps(raw: dict, n: int, num_experts: int, source: str) -> list[str]:
@@ -126,14 +131,16 @@ def _layer_mlps(raw: dict, n: int, num_experts: int, source: str) -> list[str]:
     if types is not None:
         if not isinstance(types, list):
             raise K3Error(f"{source}: mlp_layer_types must be a list")
-        if len(types) != n or not all(t in ("dense", "sparse") for t in types):
-            raise K3Error(f"{source}: mlp_layer_types must list 'dense'/'sparse' for each of the {n} layers")
-        return ["moe" if t == "sparse" else "dense" for t in types]
+        by_type = {k.layer_type: k.name for k in MLPS.values()}
+        if len(types) != n or not all(t in by_type for t in types):
+            listed = "/".join(repr(t) for t in by_type)
+            raise K3Error(f"{source}: mlp_layer_types must list {listed} for each of the {n} layers")
+        return [by_type[t] for t in types]
     first_dense = _get(raw, source, "first_k_dense_replace", default=0)
     freq = _get(raw, source, "moe_layer_freq", default=1)
     if freq < 1:
         raise K3Error(f"{source}: moe_layer_freq={freq} must be >= 1")
-    return ["moe" if num_experts and i >= first_dense and i % freq == 0 else "dense" for i in range(n)]
+    return [MOE.name if num_experts and i >= first_dense and i % freq == 0 else DENSE.name for i in range(n)]
 
 
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -203,36 +210,19 @@ def _token_id(value):
     return value if isinstance(value, int) else None
 
 
-# Sizes that must be positive when a layer kind is present: (kind or None for every model, config field, attribute).
-_SIZES = (
-    (None, "vocab_size", "vocab_size"),
-    (None, "hidden_size", "hidden_size"),
-    ("kda", "linear_attn_config.num_heads", "kda_heads"),
-    ("kda", "linear_attn_config.head_dim", "kda_head_dim"),
-    ("kda", "linear_attn_config.short_conv_kernel_size", "conv_kernel"),
-    ("mla", "num_attention_heads", "mla_heads"),
-    ("mla", "qk_nope_head_dim", "qk_nope_dim"),
-    ("mla", "v_head_dim", "v_head_dim"),
-    ("mla", "kv_lora_rank", "kv_lora_rank"),
-    ("dense", "intermediate_size", "intermediate_size"),
-    ("moe", "num_experts", "num_experts"),
-    ("moe", "num_experts_per_token", "top_k"),
-    ("moe", "moe_intermediate_size", "expert_size"),
-    ("moe", "num_expert_group", "num_expert_group"),
-    ("moe", "topk_group", "topk_group"),
-)
+# Sizes every model needs positive (config field, attribute); each layer kind adds its own (kinds/).
+_SIZES = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"))
 
 
 def _check_sizes(cfg: ModelConfig) -> None:
     """Every size a present layer kind needs must be positive, and the router settings consistent."""
     src = cfg.source
-    present = {None: True, "kda": cfg.count(mixer="kda"), "mla": cfg.count(mixer="mla")}
-    present |= {"dense": cfg.count(mlp="dense"), "moe": cfg.count(mlp="moe")}
-    need = {field: getattr(cfg, attr) for kind, field, attr in _SIZES if present[kind]}
+    sizes = (*_SIZES, *(size for kind in present(cfg) for size in kind.sizes))
+    need = {field: getattr(cfg, attr) for field, attr in sizes}
     for name, value in need.items():
         if value <= 0:
             raise K3Error(f"{src}: field {name}={value} must be > 0")
-    if cfg.count(mlp="moe"):
+    if MOE.present(cfg):
         if cfg.top_k > cfg.num_experts:
             raise K3Error(f"{src}: num_experts_per_token={cfg.top_k} exceeds num_experts={cfg.num_experts}")
         if cfg.num_experts % cfg.num_expert_group or cfg.topk_group > cfg.num_expert_group:
@@ -256,13 +246,7 @@ def validate_topology(cfg: ModelConfig, world: int) -> None:
     """Refuse a world size that cannot split heads or experts, before any weight file is opened."""
     if world < 1:
         raise K3Error(f"world size {world} must be >= 1")
-    checks = []
-    if cfg.count(mixer="kda"):
-        checks.append(("KDA heads (linear_attn_config.num_heads)", cfg.kda_heads))
-    if cfg.count(mixer="mla"):
-        checks.append(("MLA heads (num_attention_heads)", cfg.mla_heads))
-    if cfg.count(mlp="moe"):
-        checks.append(("expert size (moe_intermediate_size)", cfg.expert_size))
+    checks = [(what, getattr(cfg, attr)) for kind in present(cfg) for what, attr in kind.splits]
     bad = [f"{what}={n}" for what, n in checks if n % world]
     if bad:
         ok = [w for w in range(1, 65) if all(n % w == 0 for _, n in checks)]

@@ -45,8 +45,11 @@ def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, st
     return torch.einsum("bhk,bhkv->bhv", q, state).to(out_dtype)
 
 
+CHUNK = 16  # tokens per chunk of the chunked form (the memory plan sizes its decay tensors by it)
+
+
 def kda_prefill(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = 16
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = CHUNK
 ) -> Tensor:
     """Chunked (WY) form of the recurrence; equals `kda_decode_step` applied token by token.
 

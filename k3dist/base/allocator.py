@@ -4,7 +4,7 @@ Two caches grow with the variety of GEMM shapes a run meets, and neither has a b
 default. oneDNN compiles a kernel for every new (rows, weight shape) pair and keeps it (about 0.7 MiB each) in its
 primitive cache, and torch's ideep layer keeps its own LRU of the same primitives; both hold 1,024 by default, so a
 server whose prompts have every length grows by up to 0.7 GiB a rank (docs/memory.md). k3dist caps both at
-`CACHED_PRIMITIVES`, and the plan counts the cap (engine/runtime_memory.py): a prefill of a new length then builds its
+`CACHED_PRIMITIVES`, and the plan counts the cap (memory/runtime.py): a prefill of a new length then builds its
 kernels again, which costs nothing measurable next to the prefill itself.
 
 glibc's allocator is set up for a rank too (`limit_heap`): a fixed mmap threshold, so large blocks go back to the

@@ -25,14 +25,10 @@ EDITS = MAX_BIAS + MAX_HELD  # a slot's single-token edits: biases, then tokens 
 NEG_INF = float("-inf")
 
 
-def processor_bytes(batch: int, vocab_local: int) -> int:
-    """Device bytes of the buffers below (the memory plan's runtime term)."""
-    per_slot = vocab_local * (4 + 1 + 4) + EDITS * (8 + 4 + 1) + 4 * 4 + 8
-    return batch * per_slot + 256 * 8 * 4
-
-
 class LogitProcessors:
-    """Per-slot processor settings, output counts and grammar masks over this rank's vocabulary [start, stop)."""
+    """Per-slot processor settings, output counts and grammar masks over this rank's vocabulary [start, stop).
+
+    memory/runtime.py's `processor_bytes` counts these buffers for the memory plan."""
 
     def __init__(self, batch: int, vocab_start: int, vocab_stop: int, device: torch.device):
         B, V = batch, vocab_stop - vocab_start

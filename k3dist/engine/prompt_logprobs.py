@@ -4,7 +4,7 @@ The prefill of a request that asks keeps each chunk's final hidden states and tu
 positions at a time; from each block every rank takes its shard's top-k and log-sum-exp, gathered across the
 vocabulary shards as the decode step gathers them (model/tp.py), plus the logit of the prompt's next token, which
 lives on one shard (the others add 0, so the sum is that logit exactly). Only requests that ask pay for it, and its
-memory is one block's logits whatever the prompt's length (runtime_memory.py's `scoring`).
+memory is one block's logits whatever the prompt's length (memory/runtime.py's `scoring`).
 
 A token's log-probability and its entry among the top ones are the same float: both are a float32 logit of the same
 tensor minus the same log-sum-exp, so an evaluator that checks greediness by equality (lm-eval) sees it exactly.

@@ -25,6 +25,7 @@ import torch
 
 from ..base.errors import K3Error
 from ..base.fault_injection import Faults
+from ..kinds.registry import cache_entry
 from .control import Admit, Window
 from .decode_step import DecodeStep
 from .prompt_logprobs import PromptScores, score
@@ -35,7 +36,7 @@ from .snapshots import SnapshotStore
 def prefills_together(device_type: str) -> bool:
     """Whether same-length prompts are prefilled as one batch (CUDA: bigger GEMMs) or one sequence at a time (CPU:
     a batch gains no arithmetic efficiency there and its chunk activations fall out of cache: benchmarks/prefill.py,
-    BENCHMARKS.md "Measurements behind the code"). runtime_memory.py sizes prefill by it."""
+    BENCHMARKS.md "Measurements behind the code"). memory/runtime.py sizes prefill by it."""
     return device_type == "cuda"
 
 
@@ -112,8 +113,8 @@ class Runner:
         self.heads: list[_Logits] = []  # rows waiting for the window's LM head pass
         self.scoring: dict[int, PromptScores] = {}  # slot -> its prompt's positions scored so far
         self.scores: dict[int, PromptScores] = {}  # rank 0: the prompts scored whole in the last window, by slot
-        kda = {n: t for n, t in self.cache.tensors.items() if n.startswith(("conv.", "state."))}
-        self.guard = {n: torch.empty_like(t[0]) for n, t in kda.items()}  # one slot's KDA state, set aside
+        states = {n: t for n, t in self.cache.tensors.items() if (e := cache_entry(n)) is not None and not e.grows}
+        self.guard = {n: torch.empty_like(t[0]) for n, t in states.items()}  # one slot's states (KDA's), set aside
 
     def run(self, window: Window) -> None:
         self.scores = {}

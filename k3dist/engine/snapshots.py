@@ -9,6 +9,7 @@ which snapshots exist (prefix.py); every rank makes, moves and drops its own in 
 import torch
 from torch import Tensor
 
+from ..kinds.registry import cache_entry
 from ..model.cache import HybridCache
 
 
@@ -16,10 +17,9 @@ def snapshot_bytes(shapes: dict, length: int, vocab_local: int, itemsize: int) -
     """Bytes of one snapshot of `length` tokens from `cache_shapes(..., batch=1, cap=1)`, with its logits."""
     total = vocab_local * itemsize
     for name, (shape, dtype) in shapes.items():
-        if name.startswith(("conv.", "state.")):
-            total += torch.Size(shape).numel() * dtype.itemsize
-        elif name.startswith("latent."):
-            total += length * shape[-1] * dtype.itemsize
+        if (entry := cache_entry(name)) is not None:  # an entry that grows: `length` of its rows (dim 1)
+            numel = torch.Size(shape).numel()
+            total += (numel // shape[1] * length if entry.grows else numel) * dtype.itemsize
     return total
 
 
@@ -34,10 +34,8 @@ class SnapshotStore:
         logits None: set_logits gives them before any restore."""
         tensors = {}
         for name, t in self.cache.tensors.items():
-            if name.startswith(("conv.", "state.")):
-                tensors[name] = t[slot].clone()
-            elif name.startswith("latent."):
-                tensors[name] = t[slot, :length].clone()
+            if (entry := cache_entry(name)) is not None:
+                tensors[name] = (t[slot, :length] if entry.grows else t[slot]).clone()
         self.snaps[snap_id] = (length, tensors, None if logits is None else logits.detach().clone())
 
     def set_logits(self, snap_id: int, logits: Tensor) -> None:
@@ -50,7 +48,7 @@ class SnapshotStore:
         length, tensors, logits = self.snaps[snap_id]
         for name, saved in tensors.items():
             target = self.cache.tensors[name]
-            (target[slot, :length] if name.startswith("latent.") else target[slot]).copy_(saved, non_blocking=True)
+            (target[slot, :length] if cache_entry(name).grows else target[slot]).copy_(saved, non_blocking=True)
         self.cache.positions[slot] = length
         return length, logits.to(self.cache.positions.device, non_blocking=True)
 

@@ -1,28 +1,37 @@
 """The one way to assemble a model: weights from the store, each mixer handed its own cache tensors, collectives and
 kernels chosen once. The job, the tests and the benchmarks all build through here."""
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import ModelConfig
 from ..kernels.backend import Kernels
+from ..kinds.registry import kinds_of
 from ..weights.quant_plan import quantized
 from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
 from .experts import DenseExperts, experts_dense
-from .kda import KDA
+from .kinds import BuildOptions, build_kind
 from .layers import Binding
 from .linear import Int8Linear, Linear, widened
-from .mla import MLA
-from .moe import DenseMLP, MoE
 from .tp import TPComm
+
+
+@dataclass(frozen=True)
+class Choices:
+    """build_model's two layout decisions, as keywords for it: `build_model(..., **vars(choices))`."""
+
+    widen: bool
+    dense: bool
 
 
 def choices(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, batch: int, pack: bool, cpu_ops: bool
-) -> dict[str, bool]:
+) -> "Choices":
     """`widen` and `dense` for a model of `batch` slots whose kernels are the CPU ops (`cpu_ops`) or not: the rule the
     run plan decides by (run/plan.py), and the one tests and benchmarks that build without a plan take."""
-    return {"widen": widened(dtype, device), "dense": experts_dense(cfg, batch, pack, moe_block=cpu_ops)}
+    return Choices(widen=widened(dtype, device), dense=experts_dense(cfg, batch, pack, moe_block=cpu_ops))
 
 
 def build_model(
@@ -65,20 +74,13 @@ def build_model(
         return make(weight)
 
     bind = Binding(w, lin, cfg, comm, kernels, dtype, widen)
-    layers = []
+    layers, options = [], BuildOptions(router_weights == "biased", dense_experts)
     for spec in cfg.layers:
         p = f"model.layers.{spec.index}."
-        attn = p + "self_attn."
-        if spec.mixer == "kda":
-            conv, state = cache.layer("conv", spec.index), cache.layer("state", spec.index)
-            mixer = KDA(bind, attn, conv, state)
-        else:
-            mixer = MLA(bind, attn, cache.layer("latent", spec.index))
-        if spec.mlp == "dense":
-            mlp = DenseMLP(bind, p + "mlp.")
-        else:
-            moe = p + "block_sparse_moe."
-            mlp = MoE(bind, moe, biased=router_weights == "biased", dense=dense_experts(moe))
+        mixer, mlp = (
+            build_kind(kind, bind, p, [cache.layer(e.name, spec.index) for e in kind.cache], options)
+            for kind in kinds_of(spec)
+        )
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
     embed, norm, head = w("model.embed_tokens.weight"), w("model.norm.weight"), lin("lm_head.weight")

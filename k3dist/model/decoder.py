@@ -28,7 +28,7 @@ class DecoderLayer:
 
     def decode(self, h: Tensor, positions: Tensor, dtype: torch.dtype, rows: int | None = None) -> Tensor:
         x = rmsnorm(h, self.norm_in, self.eps).to(dtype)
-        h = h + (self.mixer.decode(x) if self.spec.mixer == "kda" else self.mixer.decode(x, positions, rows))
+        h = h + self.mixer.decode(x, positions, rows)
         return h + self.mlp.decode(rmsnorm(h, self.norm_post, self.eps))
 
 

@@ -39,8 +39,9 @@ class KDA:
         o = op(qkv.unflatten(-1, (3, -1)), g_raw, beta_raw, gate, conv, state, self.layer)
         return self.comm.all_reduce(self.o_proj(o).float())
 
-    def decode(self, x: Tensor) -> Tensor:
-        """x: [n, D] normed, one token for each of the first n slots. Returns [n, D] fp32, summed over ranks."""
+    def decode(self, x: Tensor, positions: Tensor | None = None, rows: int | None = None) -> Tensor:
+        """x: [n, D] normed, one token for each of the first n slots. Returns [n, D] fp32, summed over ranks. The
+        state holds the positions (`positions` and `rows`: the mixers' one signature, model/kinds.py)."""
         n = x.shape[0]
         return self._core(self.kernels.kda_decode, x, self.conv_state[:n], self.state[:n])
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.mla import attend_blocks, mla_prefill
+from ..kinds.mla import KEY_BLOCK  # CPU prefill expands the cached latent this many positions at a time
 from .layers import Binding, rmsnorm
 
 LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (HF remote code, transformers), not rms_norm_eps
-KEY_BLOCK = 1024  # CPU prefill expands the cached latent this many positions at a time
 ABSORBED_ROWS = 48  # a piece of at most this many tokens after a past attends as decode does (MLA._absorbed)
 
 

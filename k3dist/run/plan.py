@@ -14,17 +14,16 @@ import torch
 
 from ..config import ModelConfig
 from ..engine.decode_step import TOP, WIDEST, capture_kind
-from ..engine.prefix import BRANCH_MEMORY
-from ..engine.runtime_memory import RuntimeMemory, runtime_memory
 from ..engine.sampling import ALL_MODES, SamplingMode
 from ..kernels.backend import Kernels, expected, select
+from ..memory.runtime import RuntimeMemory, runtime_memory
+from ..memory.terms import bind_bytes, cache_nbytes, int8_terms, prefix_pool_bytes
 from ..model.build import choices
-from ..model.cache import cache_nbytes, cache_shapes
+from ..model.cache import cache_shapes
 from ..model.linear import packs
 from ..offline.prompts import cli_sampling
 from ..settings import Settings
 from ..weights.memory import MemoryTerms, default_reserve
-from ..weights.quant_plan import int8_terms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,11 +71,11 @@ def plan_run(
     width = WIDEST if serving else TOP
     pack = run != "load" and kind == "eager" and packs(dtype, device, g.batch, rows_op=cpu_ops)
     bound = choices(cfg, dtype, device, batch=g.batch, pack=pack, cpu_ops=cpu_ops)
-    widen, dense = run != "load" and bound["widen"], bound["dense"]
+    widen, dense = run != "load" and bound.widen, bound.dense
     reuse = run != "load" and s.prefix.on(run, prompts_file)
     cache = cache_nbytes(cache_shapes(cfg, world, g.batch, s.cache.cap, dtype))
     host = s.prefix.host_bytes if device.type == "cpu" else 0
-    pool = s.prefix.bytes + host + BRANCH_MEMORY if reuse else 0  # the snapshots, and rank 0's remembered ids
+    pool = prefix_pool_bytes(s.prefix.bytes, host) if reuse else 0  # the snapshots, and rank 0's remembered ids
     reserve = s.memory.reserve if s.memory.reserve is not None else default_reserve(device)
     sample = any(m.sample for m in modes)
     by_role = {}  # the runtime of a rank that serves HTTP (rank 0 of a server) and of every other rank
@@ -103,7 +102,7 @@ def plan_run(
     for rank in ranks:
         runtimes[rank] = by_role[serving and rank == 0]
         saved, int8 = int8_terms(cfg, world, rank, dtype) if s.model.quant == "int8" else (0, 0)
-        derived = _derived(cfg, world, dtype, pack=pack, dense=dense, int8=s.model.quant == "int8", transient=int8)
+        derived = bind_bytes(cfg, world, dtype, pack, dense, s.model.quant == "int8", int8)
         runtime = runtimes[rank].total
         terms[rank] = MemoryTerms(
             cache=cache, runtime=runtime, derived=derived, prefix=pool, saved=saved, reserve=reserve
@@ -124,15 +123,3 @@ def plan_run(
         runtimes=runtimes,
         terms=terms,
     )
-
-
-def _derived(cfg: ModelConfig, world: int, dtype: torch.dtype, *, pack: bool, dense: bool, int8: bool, transient: int):
-    """Bytes made at bind time: packing copies one weight at a time, the largest being the LM head's slice or, for
-    dense experts (model/experts.py), a layer's w2 twice over (its permuted copy and the packed one) = its w13 once.
-    int8 (weights/quant_plan.py) makes one int8 copy at a time instead (`transient`), and the LM head is then not
-    packed."""
-    if not pack:
-        return transient
-    head = 0 if int8 else -(-cfg.vocab_size // world) * cfg.hidden_size
-    experts = 2 * cfg.num_experts * cfg.hidden_size * (cfg.expert_size // world) if dense else 0
-    return max(max(head, experts) * dtype.itemsize, transient)

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..kinds.kda import A_LOG_SLOTS
 from ..weights.k3_config import read_k3
 from ..weights.mxfp4 import dequantize, quantize
-from ..weights.schema import A_LOG_SLOTS, PACKED, SCALE, is_routed_expert, k3_logical_tensors, k3_tensors
+from ..weights.schema import PACKED, SCALE, is_routed_expert, k3_logical_tensors, k3_tensors
 
 K3_TWIN_VERSION = 1  # part of the twin cache key for K3 configs: bump when what is written here changes
 VARIANTS = ("mxfp4", "dequantized")

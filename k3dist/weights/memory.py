@@ -18,7 +18,7 @@ class MemoryTerms:
     once per run (run/plan.py) and added up here."""
 
     cache: int = 0  # KDA state + MLA rows for generate.batch x cache.cap
-    runtime: int = 0  # one prefill chunk, logits, outputs, workspaces (engine/runtime_memory.py)
+    runtime: int = 0  # one prefill chunk, logits, outputs, workspaces (memory/runtime.py)
     derived: int = 0  # copies made while binding: packed or int8 weights, one at a time
     prefix: int = 0  # the snapshot pool and rank 0's remembered ids
     saved: int = 0  # what binding gives back (model.quant=int8)
@@ -38,9 +38,7 @@ class MemoryPlan:
     staging_peak: int  # what the staging ring holds at once: a few chunks of at most 64 MiB (reads.py)
     derived_bytes: int  # device copies made at bind time (casts, fused or absorbed weights, int8 copies)
     cache_bytes: int  # KDA state + MLA latent for batch x cap
-    runtime_bytes: (
-        int  # activations of one prefill chunk, logits and sampling buffers, workspaces (engine/runtime_memory.py)
-    )
+    runtime_bytes: int  # activations of one prefill chunk, logits and sampling buffers, workspaces (memory/runtime.py)
     prefix_bytes: int  # the pool of prefix snapshots (prefix.bytes; on a CPU also prefix.host_bytes)
     reserve: int  # explicit headroom
     free: int  # memory available to this rank

@@ -1,9 +1,10 @@
 """Which weights `model.quant=int8` turns into int8 at bind time, and what that does to a rank's memory plan.
 
 One rule for both sides: build_model quantises a projection iff `quantized(store key)` says so, and the plan counts
-the same keys from the same per-rank shapes (tp_plan.store_shapes), before anything is loaded. Quantised: the LM head
-and every attention and dense-MLP projection; the embedding (one row read per token), norms, convs, the router, MLA's
-kv_b (used per head), and the routed and shared experts stay in the compute dtype (docs/model.md).
+the same keys from the same per-rank shapes (tp_plan.store_shapes; memory/terms.py's int8_terms), before anything is
+loaded. Quantised: the LM head and every attention and dense-MLP projection; the embedding (one row read per token),
+norms, convs, the router, MLA's kv_b (used per head), and the routed and shared experts stay in the compute dtype
+(docs/model.md).
 
 The loader still uploads the compute-dtype weights, so the load's peak is unchanged; binding then holds one weight
 twice at a time (its int8 copy beside it, plus a bounded fp32 block while its scales are found): `derived_bytes`.
@@ -12,33 +13,11 @@ What the rank holds afterwards is `bound_bytes` = local_bytes minus what int8 sa
 
 import re
 
-import torch
+from ..kinds.registry import KINDS
 
-from ..config import ModelConfig
-from ..kernels.quant import ROWS, int8_bytes
-from .tp_plan import plan_rank, store_shapes
-from .whatif import config_entries
-
-QUANTIZED = re.compile(
-    r"^lm_head\.weight$"
-    r"|\.self_attn\.(in_proj|fg_b_proj|q_kv_a_proj|o_proj)\.weight$"
-    r"|\.mlp\.(gate_up_proj|down_proj)\.weight$"
-)
+# the LM head, and each layer kind's own projections (kinds/: its `quantized`)
+QUANTIZED = re.compile("|".join((r"^lm_head\.weight$", *(kind.quantized for kind in KINDS if kind.quantized))))
 
 
 def quantized(key: str) -> bool:
     return QUANTIZED.search(key) is not None
-
-
-def int8_terms(cfg: ModelConfig, world: int, rank: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes int8 saves on this rank after bind, the largest transient while binding) for `model.quant=int8`."""
-    saved = transient = 0
-    for key, (shape, _) in store_shapes(plan_rank(cfg, config_entries(cfg), world, rank, dtype)).items():
-        if not quantized(key):
-            continue
-        parts = shape[0] if len(shape) == 3 else 1  # stacked (fg_b): one Linear per part
-        rows, cols = shape[-2], shape[-1]
-        one = int8_bytes(rows, cols, dtype)
-        saved += parts * (rows * cols * dtype.itemsize - one)
-        transient = max(transient, parts * one + 3 * min(rows, ROWS) * cols * 4)  # fp32 block: w, |w|, w / s
-    return saved, transient

@@ -10,12 +10,13 @@ MLPs; each expert's w1 and w3), and tensors of one kind are stacked along a lead
 experts). The loader places every rank-local slice straight into its place: no second copy, `derived_bytes` stays 0.
 """
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from ..config import ModelConfig, parse_config
+from ..kinds.registry import kinds_of
+from ..kinds.spec import Placement
 from .k3_config import KIMI_K3, K3TextConfig, model_variant, read_k3
 from .mxfp4 import GROUP
 
@@ -31,8 +32,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{spec.index}."
         out[p + "input_layernorm.weight"] = (D,)
         out[p + "post_attention_layernorm.weight"] = (D,)
-        out |= {p + "self_attn." + k: s for k, s in (_kda(cfg) if spec.mixer == "kda" else _mla(cfg)).items()}
-        out |= {p + k: s for k, s in (_dense(cfg) if spec.mlp == "dense" else _moe(cfg)).items()}
+        for kind in kinds_of(spec):
+            out |= {p + k: s for k, s in kind.tensors(cfg).items()}
     out["model.norm.weight"] = (D,)
     out["lm_head.weight"] = (V, D)
     return out
@@ -44,62 +45,6 @@ def checkpoint_tensors(raw: dict, dtype: torch.dtype, source: str = "config.json
     if model_variant(raw) == KIMI_K3:
         return k3_tensors(read_k3(raw, source), dtype)
     return {name: (shape, dtype) for name, shape in expected_tensors(parse_config(raw, source)).items()}
-
-
-def _kda(cfg: ModelConfig) -> dict:
-    D, H, d, P, K = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim, cfg.conv_kernel
-    return {
-        "q_proj.weight": (P, D),
-        "k_proj.weight": (P, D),
-        "v_proj.weight": (P, D),
-        "q_conv1d.weight": (P, 1, K),
-        "k_conv1d.weight": (P, 1, K),
-        "v_conv1d.weight": (P, 1, K),
-        "A_log": (1, 1, H, 1),
-        "f_a_proj.weight": (d, D),
-        "f_b_proj.weight": (P, d),
-        "dt_bias": (P,),
-        "b_proj.weight": (H, D),
-        "g_a_proj.weight": (d, D),
-        "g_b_proj.weight": (P, d),
-        "o_norm.weight": (d,),
-        "o_proj.weight": (D, P),
-    }
-
-
-def _mla(cfg: ModelConfig) -> dict:
-    D, Ha, r, dr = cfg.hidden_size, cfg.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_dim
-    return {
-        "q_proj.weight": (Ha * cfg.qk_head_dim, D),
-        "kv_a_proj_with_mqa.weight": (r + dr, D),
-        "kv_a_layernorm.weight": (r,),
-        "kv_b_proj.weight": (Ha * (cfg.qk_nope_dim + cfg.v_head_dim), r),
-        "o_proj.weight": (D, Ha * cfg.v_head_dim),
-    }
-
-
-def _dense(cfg: ModelConfig) -> dict:
-    D, Id = cfg.hidden_size, cfg.intermediate_size
-    return {"mlp.gate_proj.weight": (Id, D), "mlp.up_proj.weight": (Id, D), "mlp.down_proj.weight": (D, Id)}
-
-
-def _moe(cfg: ModelConfig) -> dict:
-    D, E, Ie, Is = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.shared_size
-    p = "block_sparse_moe."
-    out = {p + "gate.weight": (E, D), p + "gate.e_score_correction_bias": (E,)}
-    for e in range(E):
-        out |= {
-            f"{p}experts.{e}.w1.weight": (Ie, D),
-            f"{p}experts.{e}.w2.weight": (D, Ie),
-            f"{p}experts.{e}.w3.weight": (Ie, D),
-        }
-    if Is:
-        out |= {
-            p + "shared_experts.gate_proj.weight": (Is, D),
-            p + "shared_experts.up_proj.weight": (Is, D),
-            p + "shared_experts.down_proj.weight": (D, Is),
-        }
-    return out
 
 
 def canonical_name(key: str) -> str:
@@ -114,49 +59,19 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(FP32_SUFFIXES)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a checkpoint tensor lands: store key `dest`, stack index `slot`, part number `part` of a fused buffer."""
-
-    dest: str
-    slot: int | None = None
-    part: int | None = None
-
-
-KDA_FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")  # all read the normed input
-
-
 @cache
 def placements(cfg: ModelConfig) -> dict[str, Placement]:
     """Canonical name -> placement, for every tensor that is not simply its own store entry."""
     out: dict[str, Placement] = {}
     for spec in cfg.layers:
-        a = f"model.layers.{spec.index}.self_attn."
-        if spec.mixer == "kda":
-            out |= {f"{a}{n}.weight": Placement(a + "in_proj.weight", part=i) for i, n in enumerate(KDA_FUSED_IN)}
-            out |= {f"{a}{n}_conv1d.weight": Placement(a + "conv1d.weight", slot=i) for i, n in enumerate("qkv")}
-            out |= {f"{a}{n}_b_proj.weight": Placement(a + "fg_b_proj.weight", slot=i) for i, n in enumerate("fg")}
-        else:
-            out[a + "q_proj.weight"] = Placement(a + "q_kv_a_proj.weight", part=0)
-            out[a + "kv_a_proj_with_mqa.weight"] = Placement(a + "q_kv_a_proj.weight", part=1)
-        m = f"model.layers.{spec.index}." + ("mlp." if spec.mlp == "dense" else "block_sparse_moe.shared_experts.")
-        out |= {
-            f"{m}{n}.weight": Placement(m + "gate_up_proj.weight", part=i)
-            for i, n in enumerate(("gate_proj", "up_proj"))
-        }
-        if spec.mlp == "moe":
-            x = f"model.layers.{spec.index}.block_sparse_moe.experts."
-            for e in range(cfg.num_experts):
-                out[f"{x}{e}.w1.weight"] = Placement(x + "w13", slot=e, part=0)
-                out[f"{x}{e}.w3.weight"] = Placement(x + "w13", slot=e, part=1)
-                out[f"{x}{e}.w2.weight"] = Placement(x + "w2", slot=e)
+        for kind in kinds_of(spec):
+            out |= kind.placements(cfg, f"model.layers.{spec.index}.")
     return out
 
 
 # --- Kimi K3: the text model under `language_model.`, in K3's own dtypes -----------------------------------------
 
 K3_PREFIX = "language_model."
-A_LOG_SLOTS = 128  # K3 stores A_log as [128] whatever its head count; the first num_heads entries are real
 K3_FP32 = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")  # F32 on disk
 PACKED, SCALE = "weight_packed", "weight_scale"
 
@@ -183,9 +98,8 @@ def k3_logical_tensors(cfg: K3TextConfig, dtype: torch.dtype = torch.bfloat16) -
     for spec in cfg.layers:
         layer = f"{p}layers.{spec.index}."
         shapes |= {layer + k: s for k, s in _k3_residual(D).items()}
-        mixer = _k3_kda(cfg) if spec.mixer == "kda" else _k3_mla(cfg)
-        shapes |= {layer + "self_attn." + k: s for k, s in mixer.items()}
-        shapes |= {layer + k: s for k, s in (_dense(cfg) if spec.mlp == "dense" else _k3_moe(cfg)).items()}
+        for kind in kinds_of(spec):
+            shapes |= {layer + k: s for k, s in kind.k3_tensors(cfg).items()}
     shapes |= {
         p + "norm.weight": (D,),
         p + "output_attn_res_norm.weight": (D,),
@@ -216,43 +130,4 @@ def _k3_residual(D: int) -> dict:
     out = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
     for site in ("self_attention_res", "mlp_res"):
         out |= {f"{site}_norm.weight": (D,), f"{site}_proj.weight": (1, D)}
-    return out
-
-
-def _k3_kda(cfg: K3TextConfig) -> dict:
-    D, H, d, K = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.conv_kernel
-    P = H * d
-    out = {f"{n}_proj.weight": (P, D) for n in "qkv"}
-    out |= {f"{n}_conv1d.weight": (P, 1, K) for n in "qkv"}
-    out |= {"f_a_proj.weight": (d, D), "f_b_proj.weight": (P, d), "b_proj.weight": (H, D)}
-    out |= {"A_log": (max(A_LOG_SLOTS, H),), "dt_bias": (P,), "g_proj.weight": (P, D)}
-    return out | {"o_norm.weight": (d,), "o_proj.weight": (D, P)}
-
-
-def _k3_mla(cfg: K3TextConfig) -> dict:
-    D, Ha, r, dr, q = cfg.hidden_size, cfg.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.q_lora_rank
-    return {
-        "q_a_proj.weight": (q, D),
-        "q_a_layernorm.weight": (q,),
-        "q_b_proj.weight": (Ha * (cfg.qk_nope_dim + dr), q),
-        "kv_a_proj_with_mqa.weight": (r + dr, D),
-        "kv_a_layernorm.weight": (r,),
-        "kv_b_proj.weight": (Ha * (cfg.qk_nope_dim + cfg.v_head_dim), r),
-        "g_proj.weight": (Ha * cfg.v_head_dim, D),
-        "o_proj.weight": (D, Ha * cfg.v_head_dim),
-    }
-
-
-def _k3_moe(cfg: K3TextConfig) -> dict:
-    D, E, Ie, Z = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.latent_size
-    Is = Ie * cfg.num_shared_experts  # the shared MLP's width
-    p = "block_sparse_moe."
-    out = {p + "gate.weight": (E, D), p + "gate.e_score_correction_bias": (E,)}
-    out |= {p + "routed_expert_down_proj.weight": (Z, D), p + "routed_expert_norm.weight": (Z,)}
-    out[p + "routed_expert_up_proj.weight"] = (D, Z)
-    out |= {p + f"shared_experts.{n}_proj.weight": (Is, D) for n in ("gate", "up")}
-    out[p + "shared_experts.down_proj.weight"] = (D, Is)
-    for e in range(E):
-        x = f"{p}experts.{e}."
-        out |= {x + "w1.weight": (Ie, Z), x + "w2.weight": (Z, Ie), x + "w3.weight": (Ie, Z)}
     return out

@@ -15,42 +15,22 @@ import torch
 from ..base.dtypes import BY_CODE
 from ..base.errors import K3Error
 from ..config import ModelConfig
+from ..kinds.registry import KINDS
+from ..kinds.spec import COLUMN as COLUMN
+from ..kinds.spec import HEADS as HEADS
+from ..kinds.spec import REPLICATED, VOCAB, Axis, Placement
+from ..kinds.spec import ROW as ROW
 from .inventory import TensorEntry
-from .schema import Placement, keeps_fp32, placements
+from .schema import keeps_fp32, placements
 
-
-@dataclass(frozen=True)
-class Axis:
-    """How one tensor family is split: `dim` None = replicated; `vocab` = gathered (or masked) over vocab."""
-
-    name: str
-    dim: int | None
-
-
-REPLICATED = Axis("replicated", None)
-VOCAB = Axis("vocab", 0)
-COLUMN = Axis("column", 0)
-ROW = Axis("row", 1)
-HEADS = Axis("heads", 2)  # A_log [1, 1, H, 1]
-
-# First match wins. Names are canonical checkpoint names (schema.expected_tensors).
-POLICY: tuple[tuple[str, Axis], ...] = (
+# First match wins. Names are canonical checkpoint names (schema.expected_tensors): the rules every model has, then
+# each layer kind's own (kinds/), in registry order, each rule once.
+_SHARED: tuple[tuple[str, Axis], ...] = (
     (r"^model\.embed_tokens\.weight$", VOCAB),
     (r"^lm_head\.weight$", VOCAB),
     (r"norm\.weight$", REPLICATED),  # input/post_attention/model norm, kv_a_layernorm, KDA o_norm
-    (r"\.self_attn\.A_log$", HEADS),
-    (r"\.self_attn\.(f_a_proj|g_a_proj|kv_a_proj_with_mqa)\.weight$", REPLICATED),
-    (r"\.self_attn\.[qkv]_proj\.weight$", COLUMN),  # KDA q/k/v and MLA q_proj, by head
-    (r"\.self_attn\.[qkv]_conv1d\.weight$", COLUMN),
-    (r"\.self_attn\.(f_b_proj|g_b_proj|b_proj|kv_b_proj)\.weight$", COLUMN),
-    (r"\.self_attn\.dt_bias$", COLUMN),
-    (r"\.self_attn\.o_proj\.weight$", ROW),
-    (r"\.gate\.(weight|e_score_correction_bias)$", REPLICATED),  # router
-    (r"\.experts\.\d+\.w[13]\.weight$", COLUMN),
-    (r"\.experts\.\d+\.w2\.weight$", ROW),
-    (r"\.(gate_proj|up_proj)\.weight$", COLUMN),  # dense MLP and shared experts
-    (r"\.down_proj\.weight$", ROW),
 )
+POLICY: tuple[tuple[str, Axis], ...] = tuple(dict.fromkeys((*_SHARED, *(rule for k in KINDS for rule in k.policy))))
 
 
 _COMPILED = tuple((re.compile(pattern), axis) for pattern, axis in POLICY)

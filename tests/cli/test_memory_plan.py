@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from k3dist.engine.runtime_memory import HOST_ALLOWANCE
+from k3dist.memory.runtime import HOST_ALLOWANCE
 from k3dist.twin.checkpoint import write_checkpoint
 from tests.support.cli_run import run_cli
 from tests.support.configs import small_config

@@ -9,8 +9,9 @@ from k3dist.config import load_config, validate_topology
 from k3dist.engine.decode_step import DecodeStep
 from k3dist.engine.sampling import GREEDY, SamplingMode
 from k3dist.kernels.backend import select
+from k3dist.memory.terms import cache_nbytes
 from k3dist.model.build import build_model, choices
-from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+from k3dist.model.cache import HybridCache, cache_shapes
 from k3dist.model.linear import packable
 from k3dist.model.tp import TPComm
 from k3dist.weights.inventory import scan
@@ -41,7 +42,7 @@ def bind(
     pack = pack and packable(dt, rt.device)
     kernels = select(backend, rt.device)
     planned = choices(cfg, dt, rt.device, batch=batch, pack=pack, cpu_ops=kernels.name == "cpu")
-    model = build_model(cfg, store.tensors, comm, cache, kernels, router_weights=router, pack=pack, **planned)
+    model = build_model(cfg, store.tensors, comm, cache, kernels, router_weights=router, pack=pack, **vars(planned))
     return rt, cfg, model, cache
 
 

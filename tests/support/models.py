@@ -44,5 +44,5 @@ def random_model(
     weights = {k: v.to(dev) for k, v in random_weights(cfg, dtype, seed).items()}
     kernels = select(backend, dev)
     planned = choices(cfg, dtype, dev, batch=batch, pack=False, cpu_ops=kernels.name == "cpu")
-    model = build_model(cfg, weights, comm or TPComm(1, 0, cfg.vocab_size), cache, kernels, **planned)
+    model = build_model(cfg, weights, comm or TPComm(1, 0, cfg.vocab_size), cache, kernels, **vars(planned))
     return cfg, model, cache

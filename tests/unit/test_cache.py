@@ -6,7 +6,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3dist.config import load_config
 from k3dist.engine.snapshots import SnapshotStore
-from k3dist.model.cache import HybridCache, cache_nbytes, cache_shapes
+from k3dist.memory.terms import cache_nbytes
+from k3dist.model.cache import HybridCache, cache_shapes
 from tests.support.configs import TWIN, small_config
 from tests.support.models import random_model
 

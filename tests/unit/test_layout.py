@@ -8,6 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ORDER = [
     "base",
     "kernels",
+    "kinds",
     "config",
     "checks",
     "settings",
@@ -15,6 +16,7 @@ ORDER = [
     "weights",
     "model",
     "engine",
+    "memory",
     "offline",
     "serve",
     "twin",

@@ -8,11 +8,12 @@ from k3dist.config import parse_config
 from k3dist.kernels import cpu_ops
 from k3dist.kernels.backend import select
 from k3dist.kernels.quant import dequantize, int8_bytes, quantize_int8
+from k3dist.memory.terms import int8_terms
 from k3dist.model.build import build_model, choices
 from k3dist.model.cache import HybridCache
 from k3dist.model.linear import Int8Linear
 from k3dist.model.tp import TPComm
-from k3dist.weights.quant_plan import int8_terms, quantized
+from k3dist.weights.quant_plan import quantized
 from k3dist.weights.tp_plan import plan_rank, store_shapes
 from k3dist.weights.whatif import config_entries
 from tests.ranks.test_parity import CONFIGS
@@ -96,7 +97,13 @@ def test_plan_counts_what_binding_quantises(name, world):
         cpu = torch.device("cpu")
         planned = choices(cfg, dtype, cpu, batch=1, pack=False, cpu_ops=False)  # the torch kernels
         model = build_model(
-            cfg, weights, TPComm(world, rank, cfg.vocab_size), cache, select("torch", cpu), quant="int8", **planned
+            cfg,
+            weights,
+            TPComm(world, rank, cfg.vocab_size),
+            cache,
+            select("torch", cpu),
+            quant="int8",
+            **vars(planned),
         )
         made = list(_linears(model))
         assert len(made) == sum((s[0][0] if len(s[0]) == 3 else 1) for k, s in shapes.items() if quantized(k))

@@ -1,12 +1,9 @@
-"""runtime_bytes: the memory a rank needs beyond weights and cache while it generates, computed from shapes.
+"""runtime_memory: the memory a rank needs beyond weights and cache while it generates, computed from shapes.
 
 Terms (each an upper bound of what is alive at once, in bytes):
 - prefill: the activations of one chunk of `prefill_chunk` tokens for every slot at once (one slot at a time on the
   CPU, as the engine prefills there), the largest of the layer
-  kinds (KDA: projections, conv windows, fp32 q/k/v/g, the chunked delta rule's [C, C, d] decay tensor; MLA: the
-  latent rows expanded through kv_b_proj back to the start of the longest prompt, attention scores; MoE: tokens
-  sorted by expert, their gate/up and down outputs, or with dense experts every expert's) plus the fp32 residual
-  stream around it;
+  kinds' (each kind's spec counts its own: kinds/) plus the fp32 residual stream around it;
 - logits: the last-token logits of a chunk and of a step, gathered to the whole vocabulary when sampling, with the
   sampler's sort and noise buffers;
 - outputs: the per-slot token and top-k buffers the host reads (5 wide, a server's 20), and the logit processors'
@@ -14,38 +11,36 @@ Terms (each an upper bound of what is alive at once, in bytes):
   logits.py), with rank 0's bitmask;
 - scoring (a server): one block of logits of prompt positions being scored, the gathers of its top-k, and the
   scored positions of the prompts a window admits (engine/prompt_logprobs.py);
-- guard: one slot's KDA state, set aside while a prompt prefilled over several windows sits out the decode steps;
+- guard: one slot's states that do not grow with its tokens (KDA's: kinds/), set aside while a prompt prefilled
+  over several windows sits out the decode steps;
 - cuda: the CUDA graph pool (one step's activations again) and a fixed workspace for cuBLAS and NCCL;
 - cpu: an allowance for what the libraries allocate on first use during generation (pools, code paged in) plus
   a measured growth per prompt token of the batch (allocator fragmentation over long prefills);
 - kernels (cpu): the GEMM primitives the libraries keep, one per (row count, weight shape) the run has met, at most
-  the caches' cap (base/allocator.py): a server meets every row count, so the cap is what it holds; and the MLA
-  decode op's buffers (kernels/csrc/mla_decode.cpp keeps them between steps): every slot's scores per head over its
-  rows, up to cache.cap, and the partial contexts of its pieces;
+  the caches' cap (base/allocator.py): a server meets every row count, so the cap is what it holds; and the buffers
+  a kind's CPU decode op keeps between steps (MLA's: kinds/mla.py);
 - front: rank 0 of a server, the HTTP side (FastAPI, uvicorn, pydantic, their threads and the requests in flight);
 - stored: rank 0 of a server, the Responses API's stored responses: their bound, serve.store_bytes (each entry's
   JSON and its bookkeeping are counted against it: serve/response_store.py).
 """
 
+import math
 from dataclasses import asdict, dataclass
 
 from ..base.allocator import PRIMITIVE_BYTES, cached_primitives
 from ..config import ModelConfig
-from ..kernels.moe import PAD_ROWS, padded_rows
+from ..engine.decode_step import TOP, WIDEST
+from ..engine.logits import EDITS
+from ..engine.prompt_logprobs import SCORE_ROWS
+from ..engine.runner import prefills_together
+from ..kinds.registry import KINDS, MIXERS, present
 from ..model.linear import WIDE_BLOCK
-from ..model.mla import KEY_BLOCK
-from .decode_step import TOP, WIDEST
-from .logits import processor_bytes
-from .prompt_logprobs import SCORE_ROWS
-from .runner import prefills_together
 
 MiB = 2**20
 CUDA_WORKSPACE = 256 * MiB  # cuBLAS workspaces (a few per stream) and NCCL's channel buffers, rounded up
 HOST_ALLOWANCE = 4 * MiB  # what CPU libraries allocate on first use during generation (see docs/memory.md)
 HOST_PER_PROMPT_TOKEN = 512  # and what the allocator keeps growing by over long prefills, per prompt token of the batch
 FRONT = 32 * MiB  # a server's HTTP side on rank 0: 18 MiB of its libraries measured, their threads and requests
-KDA_CHUNK = 16  # kernels/kda.py's chunk length
-MLA_PIECES, MLA_PIECE = 64, 256  # kernels/csrc/mla_decode.cpp: the most pieces a sequence is cut into, their least rows
 
 
 @dataclass(frozen=True)
@@ -81,58 +76,28 @@ def _prefill(
     widen: bool = False,
 ) -> int:
     """Peak bytes of one forward over `tokens` = `seqs` x chunk tokens whose keys reach back `longest` positions
-    (on the CPU MLA expands at most one key block of them at a time); with `widen`, one projection's fp32 input and
-    weight block beside it (model/linear.py)."""
+    (each present kind's own peak: kinds/); with `widen`, one projection's fp32 input and weight block beside it
+    (model/linear.py)."""
     D = cfg.hidden_size
     residual = 3 * tokens * D * 4 + tokens * D * s  # h, h + mixer(x), the mixer's fp32 output; the normed input
-    kinds = [0]
-    if cfg.count(mixer="kda"):
-        H, d = cfg.kda_heads // world, cfg.kda_head_dim
-        P = H * d
-        proj = tokens * (3 * P + 2 * d + H) * s + 2 * tokens * P * s  # in_proj output; f_b and g_b outputs
-        conv = 3 * (seqs * P * (tokens // seqs + cfg.conv_kernel) * 4 * 2)  # fp32 window + output per q/k/v
-        fp32 = 8 * tokens * P * 4  # q, k, v, g in fp32, head-major copies, the output
-        chunk = seqs * H * KDA_CHUNK * (KDA_CHUNK * d * 4 * 2 + KDA_CHUNK * 4 * 4 + 2 * d * 4)  # decay (+exp), kk/qk
-        kinds.append(proj + conv + fp32 + chunk + tokens * D * 4 * 2)
-    if cfg.count(mixer="mla"):
-        H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
-        dqk, dv = cfg.qk_nope_dim + dr, cfg.v_head_dim
-        chunk = tokens // seqs
-        rows = seqs * (min(longest, KEY_BLOCK + chunk) if cpu else longest)  # expanded keys and values
-        proj = tokens * (H * dqk + r + dr) * s * 2
-        expanded = rows * ((r + dr) * s + H * (cfg.qk_nope_dim + dv) * s + H * dqk * s)  # rows, kv, keys
-        merged = 3 * tokens * H * dqk * 4  # block outputs and the running merge, fp32 (padded to dqk)
-        kinds.append(proj + expanded + merged + tokens * H * dv * s * 2 + tokens * D * 4 * 2)
-    if cfg.count(mlp="moe"):
-        k, E, I_ = cfg.top_k, cfg.num_experts, cfg.expert_size // world
-        rows = padded_rows(tokens, k, E, PAD_ROWS if cpu else 1)  # sorted (CPU: padded) x, gate/up, act, down
-        routed = rows * (D * s + 3 * I_ * s + D * s) + tokens * k * (D * s + D * 4 + 3 * 8)  # then [N*k] fp32
-        if dense:  # every expert: gate/up, act, weighted fp32 act and its rounding; the output
-            routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + D * (s + 4))
-        router = tokens * E * 4 * 4
-        shared = tokens * 3 * cfg.shared_size // world * s
-        kinds.append(routed + router + shared + tokens * D * 4 * 2)
-    if cfg.count(mlp="dense"):
-        kinds.append(tokens * 3 * (cfg.intermediate_size // world) * s + tokens * D * 4 * 2)
+    shape = dict(tokens=tokens, seqs=seqs, longest=longest, s=s, cpu=cpu, dense=dense)
+    kinds = [0, *(kind.activation(cfg, world, **shape) for kind in present(cfg))]
     wide = 0
     if widen:  # the widest projection input: its fp32 copy and a fp32 block of weight rows
-        ins = (D, cfg.intermediate_size // world, cfg.shared_size // world, cfg.kda_dim // world)
-        ins += (cfg.mla_heads // world * cfg.v_head_dim,)
-        wide = (tokens + WIDE_BLOCK) * max(ins) * 4
+        wide = (tokens + WIDE_BLOCK) * max(D, *(kind.widest_input(cfg, world) for kind in KINDS)) * 4
     return residual + max(kinds) + wide
 
 
-def mla_decode_bytes(cfg: ModelConfig, world: int, batch: int, cap: int) -> int:
-    """The CPU MLA decode op's buffers at `batch` slots of `cap` rows: scores [H, rows] fp32 (one block past the end),
-    each piece's max and sum per head, partial contexts [H, r] per piece, q_abs and q_pe per (slot, head) in fp32,
-    and in bf16 and bf16 pairs for the dot-product and tile kernels."""
-    if not cfg.count(mixer="mla"):
-        return 0
-    H, r, dr = cfg.mla_heads // world, cfg.kv_lora_rank, cfg.qk_rope_dim
-    pad = lambda n, lanes=16: -(-n // lanes) * lanes  # noqa: E731  (the widest vector's float lanes; 32 bf16)
-    pieces = batch * min(MLA_PIECES, -(-max(cap, 1) // MLA_PIECE))  # a piece holds MLA_PIECE rows or more
-    q_bf16 = batch * H * pad(r + dr, 32) * (2 + 2)
-    return 4 * (H * (batch * cap + 32) + pieces * H * (2 + pad(r, 32)) + batch * H * pad(r + dr)) + q_bf16
+def processor_bytes(batch: int, vocab_local: int) -> int:
+    """Device bytes of the logit processors' buffers (engine/logits.py: LogitProcessors)."""
+    per_slot = vocab_local * (4 + 1 + 4) + EDITS * (8 + 4 + 1) + 4 * 4 + 8
+    return batch * per_slot + 256 * 8 * 4
+
+
+def guard_bytes(cfg: ModelConfig, world: int, itemsize: int) -> int:
+    """One slot's cache entries that do not grow with its tokens, over every layer (engine/runner.py's guard)."""
+    entries = [e for layer in cfg.layers for e in MIXERS[layer.mixer].cache if not e.grows]
+    return sum(math.prod(e.shape(cfg, world, 1, 1)) * (e.dtype.itemsize if e.dtype else itemsize) for e in entries)
 
 
 def runtime_memory(
@@ -188,11 +153,9 @@ def runtime_memory(
         device = graphs * step + CUDA_WORKSPACE
     else:
         device = HOST_ALLOWANCE + HOST_PER_PROMPT_TOKEN * batch * longest_prompt
-    kernels = (
-        0
-        if device_type == "cuda"
-        else cached_primitives() * PRIMITIVE_BYTES + mla_decode_bytes(cfg, world, batch, out_len)
-    )
-    P, H, d = cfg.kda_dim // world, cfg.kda_heads // world, cfg.kda_head_dim  # one slot's KDA state (cache.py)
-    guard = cfg.count(mixer="kda") * ((cfg.conv_kernel - 1) * 3 * P * s + H * d * d * 4)
+    kernels = 0
+    if device_type != "cuda":  # the GEMM primitives kept, and what each kind's CPU decode op keeps
+        ops = sum(kind.decode_op_bytes(cfg, world, batch, out_len) for kind in present(cfg))
+        kernels = cached_primitives() * PRIMITIVE_BYTES + ops
+    guard = guard_bytes(cfg, world, s)
     return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if serves_http else 0, guard, stored)
