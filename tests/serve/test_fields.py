@@ -90,7 +90,7 @@ def test_echo_add_generation_prompt_and_continue_final_message(extras):
     assert _chat(extras, messages=turn, echo=True)["choices"][0]["message"]["content"].startswith("Once upon")
     continued = {"messages": turn, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
     stream = _post(extras, "/chat/completions", continued | {"stream": True, "max_tokens": 3, "temperature": 0})
-    deltas = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    deltas = [json.loads(line[6:]) for line in stream.text.split("\n") if line.startswith("data: {")]
     assert "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas) == "Once upon" + answer
     both = _post(extras, "/chat/completions", {"messages": turn, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"

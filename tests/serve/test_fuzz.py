@@ -15,6 +15,7 @@ The default run sends 150 bodies; the `slow` tier sends 1,650 more from another 
 import json
 import math
 import os
+import re
 import time
 
 import httpx
@@ -146,6 +147,12 @@ def requests(draw):
     return route, json.dumps(body).encode(), True
 
 
+def sse_lines(body: bytes) -> list[str]:
+    """A stream's lines as SSE ends them (CRLF, LF or CR), not as str.splitlines does: a text field may hold U+2028,
+    U+0085 or a form feed raw inside its JSON, and those end no SSE line."""
+    return re.split(r"\r\n|\r|\n", body.decode())
+
+
 class Fuzzing:
     """What the fuzzer saw: answers by status, and the server's health between batches."""
 
@@ -170,10 +177,10 @@ class Fuzzing:
             if reply.status_code == 400 and is_object:
                 assert isinstance(error["param"], str) and error["param"], what
         elif reply.headers["content-type"].startswith("text/event-stream") and route == "/v1/responses":
-            kinds = [json.loads(line[6:])["type"] for line in body.decode().splitlines() if line.startswith("data: ")]
+            kinds = [json.loads(line[6:])["type"] for line in sse_lines(body) if line.startswith("data: ")]
             assert kinds[-1] in ("response.completed", "response.incomplete") and "error" not in kinds, what
         elif reply.headers["content-type"].startswith("text/event-stream"):
-            events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+            events = [line[6:] for line in sse_lines(body) if line.startswith("data: ")]
             assert events[-1] == "[DONE]" and not any('"error"' in e[:10] for e in events[:-1]), what
         self.sent += 1
         if self.sent % BATCH == 0:
