@@ -252,6 +252,12 @@ class RunSettings:
         "that run's own",
     )
 
+    @property
+    def runs(self) -> str:
+        """The run these settings start, or, under `run.mode=plan`, the one they plan: what every default that
+        depends on the run (sync_every here, the run plan's decisions) is resolved for."""
+        return self.plan_for if self.mode == "plan" else self.mode
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -348,7 +354,7 @@ def parse(job: dict) -> Settings:
 
 def _resolved(s: Settings) -> Settings:
     """Null defaults resolved once, here; memory.reserve depends on the device and the run plan resolves it."""
-    sync = s.decode.sync_every or (SYNC_SERVE if s.run.mode == "serve" else SYNC_BATCH)
+    sync = s.decode.sync_every or (SYNC_SERVE if s.run.runs == "serve" else SYNC_BATCH)
     every = s.prefix.every or SNAPSHOT_CHUNKS * s.generate.prefill_chunk
     api_key = s.serve.api_key or os.environ.get("K3DIST_API_KEY") or None
     return replace(

@@ -43,7 +43,7 @@ HOST_PER_PROMPT_TOKEN = 512  # and what the allocator keeps growing by over long
 FRONT = 32 * MiB  # a server's HTTP side on rank 0: 18 MiB of its libraries measured, their threads and requests
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RuntimeMemory:
     prefill: int
     logits: int
@@ -158,4 +158,14 @@ def runtime_memory(
         ops = sum(kind.decode_op_bytes(cfg, world, batch, out_len) for kind in present(cfg))
         kernels = cached_primitives() * PRIMITIVE_BYTES + ops
     guard = guard_bytes(cfg, world, s)
-    return RuntimeMemory(prefill, logits, outputs, device, score, kernels, FRONT if serves_http else 0, guard, stored)
+    return RuntimeMemory(
+        prefill=prefill,
+        logits=logits,
+        outputs=outputs,
+        device=device,
+        scoring=score,
+        kernels=kernels,
+        front=FRONT if serves_http else 0,
+        guard=guard,
+        stored=stored,
+    )

@@ -55,7 +55,7 @@ def plan_run(
     of `device`'s kind; memory terms for `ranks` (None: every rank, as the what-if wants; a rank of the run asks for
     its own only)."""
     ranks = tuple(range(world)) if ranks is None else ranks
-    run = s.run.plan_for if s.run.mode == "plan" else s.run.mode
+    run = s.run.runs
     g, serving, prompts_file = s.generate, run == "serve", s.generate.prompts is not None
     dtype = s.model.compute_dtype(cfg.dtype)
     modes, longest = (cli_sampling(g).mode,), max(1, s.cache.cap - g.max_new_tokens)

@@ -202,6 +202,8 @@ def test_null_defaults_are_resolved_by_parse(monkeypatch):
     s = parse(job)
     assert (s.decode.sync_every, s.prefix.every, s.serve.api_key) == (8, 4 * 512, None)
     assert parse(_with(job, "run.mode", "serve")).decode.sync_every == 1
+    planned = _with(_with(job, "run.mode", "plan"), "run.plan_for", "serve")  # the what-if resolves as the server
+    assert parse(planned).decode.sync_every == 1 and parse(_with(job, "run.mode", "plan")).decode.sync_every == 8
     assert parse(_with(job, "decode.sync_every", 3)).decode.sync_every == 3
     assert parse(_with(job, "generate.prefill_chunk", 64)).prefix.every == 256
     assert parse(_with(job, "serve.model_name", "")).serve.model_name is None
