@@ -76,12 +76,16 @@ def _k3_moe_tensors(cfg) -> dict:
 
 
 def _moe_placements(cfg, layer: str) -> dict:
+    """Experts stacked: w1 and w3 fused per expert into `w13`, w2 into `w2`; K3's MXFP4 experts the same, once for
+    the packed codes (`w13_packed`) and once for the scales (`w13_scale`)."""
     out = _gate_up(layer + "block_sparse_moe.shared_experts.")
     x = layer + "block_sparse_moe.experts."
+    kept = (("weight_packed", "_packed"), ("weight_scale", "_scale")) if cfg.mxfp4_experts else (("weight", ""),)
     for e in range(cfg.num_experts):
-        out[f"{x}{e}.w1.weight"] = Placement(x + "w13", slot=e, part=0)
-        out[f"{x}{e}.w3.weight"] = Placement(x + "w13", slot=e, part=1)
-        out[f"{x}{e}.w2.weight"] = Placement(x + "w2", slot=e)
+        for part, tail in kept:
+            out[f"{x}{e}.w1.{part}"] = Placement(x + "w13" + tail, slot=e, part=0)
+            out[f"{x}{e}.w3.{part}"] = Placement(x + "w13" + tail, slot=e, part=1)
+            out[f"{x}{e}.w2.{part}"] = Placement(x + "w2" + tail, slot=e)
     return out
 
 
@@ -108,14 +112,22 @@ MOE = LayerKind(
         ("num_expert_group", "num_expert_group"),
         ("topk_group", "topk_group"),
     ),
-    splits=(("expert size (moe_intermediate_size)", "expert_size"),),
+    splits=(
+        ("expert size (moe_intermediate_size)", "expert_size"),
+        ("latent MoE width (routed_expert_hidden_size)", "latent_size"),  # K3; 0 on Kimi-Linear
+    ),
     tensors=_moe_tensors,
     k3_tensors=_k3_moe_tensors,
     placements=_moe_placements,
     policy=(
         (r"\.gate\.(weight|e_score_correction_bias)$", REPLICATED),  # router
-        (r"\.experts\.\d+\.w[13]\.weight$", COLUMN),
-        (r"\.experts\.\d+\.w2\.weight$", ROW),
+        (r"\.experts\.\d+\.w[13]\.weight(_packed|_scale)?$", COLUMN),  # K3's MXFP4 pairs split as their weight
+        (r"\.experts\.\d+\.w2\.weight(_packed|_scale)?$", ROW),  # whole groups of 32 (config.validate_topology)
+        # K3's latent MoE (docs/model.md, "Kimi K3's TP plan"): the down projection and the latent norm see the
+        # whole latent, so every rank keeps them; the up projection is split by latent column, its partial output
+        # summed in the MLP's all-reduce
+        (r"\.routed_expert_down_proj\.weight$", REPLICATED),
+        (r"\.routed_expert_up_proj\.weight$", ROW),
         _GATE_UP,
         _DOWN,
     ),

@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 
 from k3dist.base.errors import K3Error
+from k3dist.config import KIMI_K3, KIMI_LINEAR, model_variant, read_k3
 from k3dist.text.tokenizer import load_tokenizer
 from k3dist.twin.checkpoint import ensure_twin, write_checkpoint
 from k3dist.twin.k3_checkpoint import VISION_STUBS
-from k3dist.weights.k3_config import KIMI_K3, KIMI_LINEAR, model_variant, read_k3
 from k3dist.weights.mxfp4 import dequantize
 from k3dist.weights.schema import checkpoint_tensors, is_routed_expert, k3_logical_tensors, k3_tensors
 
