@@ -8,7 +8,6 @@ decode) is published to the peers, which may be waiting inside a collective (`af
 
 import json
 import logging
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +30,7 @@ from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
 from ..weights.memory import detect_free, mark_base, peak_bytes
-from ..weights.schema import expected_tensors
+from ..weights.schema import expected_tensors, parameter_count
 from ..weights.whatif import plan_all_ranks
 from .fronts import FrontInputs, run_front
 from .plan import RunPlan, plan_run
@@ -102,7 +101,6 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
     free = s.memory.free if s.memory.free is not None else detect_free(rt.device, rt.local_world)
     plans = plan_all_ranks(cfg, inv, world, plan.dtype, free, plan.terms)
     refused = [p.refusal() for p in plans if not p.fits]
-    shapes = [e.shape for e in inv.entries.values()] if inv else list(expected_tensors(cfg).values())
     return base_result(s, rt, cfg, world) | {
         "mode": "plan",
         "plan_for": plan.run,
@@ -110,8 +108,8 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
         "runtime": plan.runtimes[0].as_dict(),
         "verdict": "refused" if refused else "admitted",
         "refusals": refused,
-        "params": sum(math.prod(shape) for shape in shapes),
-        "tensors": len(shapes),
+        "params": parameter_count(cfg),  # the inventory holds the same shapes (scan checks each)
+        "tensors": len(expected_tensors(cfg)),
     }
 
 

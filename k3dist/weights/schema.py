@@ -12,6 +12,7 @@ MLPs; each expert's w1 and w3), and tensors of one kind are stacked along a lead
 experts). The loader places every rank-local slice straight into its place: no second copy, `derived_bytes` stays 0.
 """
 
+import math
 from functools import cache
 
 import torch
@@ -40,6 +41,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (D,)
     out["lm_head.weight"] = (V, D)
     return out
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The model's parameters: K3's MXFP4 experts counted as their logical weights, not their packed bytes."""
+    shapes = (
+        (s for s, _ in k3_logical_tensors(cfg).values()) if cfg.variant == KIMI_K3 else expected_tensors(cfg).values()
+    )
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def checkpoint_tensors(raw: dict, dtype: torch.dtype, source: str = "config.json") -> dict[str, tuple]:
