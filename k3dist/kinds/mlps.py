@@ -123,10 +123,11 @@ MOE = LayerKind(
         (r"\.gate\.(weight|e_score_correction_bias)$", REPLICATED),  # router
         (r"\.experts\.\d+\.w[13]\.weight(_packed|_scale)?$", COLUMN),  # K3's MXFP4 pairs split as their weight
         (r"\.experts\.\d+\.w2\.weight(_packed|_scale)?$", ROW),  # whole groups of 32 (config.validate_topology)
-        # K3's latent MoE (docs/model.md, "Kimi K3's TP plan"): the down projection and the latent norm see the
-        # whole latent, so every rank keeps them; the up projection is split by latent column, its partial output
-        # summed in the MLP's all-reduce
-        (r"\.routed_expert_down_proj\.weight$", REPLICATED),
+        # K3's latent MoE (docs/model.md, "Kimi K3's TP plan"): the down projection split by latent row (z
+        # all-gathered: every expert reads the whole latent), the experts by their columns as above (their fp32
+        # combine all-reduced before the latent norm), the up projection by latent column (its partial output
+        # summed in the MLP's all-reduce); the latent norm replicated
+        (r"\.routed_expert_down_proj\.weight$", COLUMN),
         (r"\.routed_expert_up_proj\.weight$", ROW),
         _GATE_UP,
         _DOWN,

@@ -1,7 +1,7 @@
 """Kimi K3's TP plan (docs/model.md, "Kimi K3's TP plan"): heads split as today, the attention-residual vectors
-and K3's padded A_log replicated, the latent MoE's down projection and norm replicated and its up projection split
-by latent column, and the MXFP4 experts split as their weights with every group of 32 on one rank; at world 1, 2, 4
-and 8 on the real 2.78T shape, and every tensor of the K3 twin."""
+and K3's padded A_log replicated, the latent MoE's down projection split by latent row, its norm replicated, its up
+projection split by latent column, and the MXFP4 experts split as their weights with every group of 32 on one rank;
+at world 1, 2, 4 and 8 on the real 2.78T shape, and every tensor of the K3 twin."""
 
 import math
 
@@ -47,7 +47,7 @@ EXPECTED = {
     L + "3.self_attn.o_proj.weight": ROW,
     MOE + "gate.weight": REPLICATED,
     MOE + "gate.e_score_correction_bias": REPLICATED,
-    MOE + "routed_expert_down_proj.weight": REPLICATED,
+    MOE + "routed_expert_down_proj.weight": COLUMN,
     MOE + "routed_expert_norm.weight": REPLICATED,
     MOE + "routed_expert_up_proj.weight": ROW,
     MOE + "shared_experts.gate_proj.weight": COLUMN,
@@ -91,6 +91,7 @@ def test_the_k3_tensors_at_the_real_shape(world):
         assert a_log.local_shape == (128,) and a_log.dtype == torch.float32
         assert r[L + "0.self_attn.q_proj.weight"].local_shape == (12288 // world, 7168)  # 96 heads of 128
         assert r[MOE + "routed_expert_up_proj.weight"].local_shape == (7168, 3584 // world)
+        assert r[MOE + "routed_expert_down_proj.weight"].local_shape == (3584 // world, 7168)
         packed, scale = r[MOE + "experts.895.w2.weight_packed"], r[MOE + "experts.895.w2.weight_scale"]
         # the down projection's 3072 inputs: whole groups of 32 on each rank, codes and scales alike
         assert packed.dtype == scale.dtype == torch.uint8
