@@ -19,6 +19,7 @@ __all__ = [
     "KIMI_LINEAR",
     "MODEL_TYPES",
     "MXFP4_FORMAT",
+    "MXFP4_GROUP",
     "LayerSpec",
     "ModelConfig",
     "load_config",
@@ -77,4 +78,4 @@ def _cuts_groups(cfg: ModelConfig, world: int) -> bool:
     (docs/model.md, "Kimi K3's TP plan"); a rank's share must be whole groups of 32 (w1/w3 split by output row, and
     their groups run along the input, so any split keeps them whole)."""
     share = cfg.expert_size // world
-    return cfg.mxfp4_experts and (cfg.expert_size % world or share % MXFP4_GROUP)
+    return cfg.mxfp4_experts and bool(cfg.expert_size % world or share % MXFP4_GROUP)

@@ -153,8 +153,8 @@ def runnable_config(s: Settings) -> ModelConfig:
     cfg = model_config(s)
     if cfg.variant == KIMI_K3:
         raise K3Error(
-            f"{cfg.source}: Kimi K3 (model_type kimi_k3) is read and planned (run.mode=plan), but its model does not "
-            f"run yet: run.mode={s.run.mode} cannot load it"
+            f"{cfg.source}: a Kimi K3 config is read and planned (run.mode=plan), but the K3 model does not run yet: "
+            f"run.mode={s.run.mode} cannot load it"
         )
     return cfg
 
