@@ -1,6 +1,7 @@
 """Kimi K3 from the command line: the what-if plan of the real 2.78T config at world 8 (`model=kimi_k3`) and of the
 K3 twin's; a world that would cut an MXFP4 group, and a run that would load K3 (its model does not run yet), each
-refused with one `error:` line before anything is read or written."""
+refused with one `error:` line before anything is read or written; a K3 checkpoint planned from its headers, its
+vision tower skipped with one log line."""
 
 import math
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 
 from k3dist.config import load_config
-from k3dist.weights.schema import checkpoint_entries, parameter_count
+from k3dist.twin.checkpoint import write_checkpoint
+from k3dist.weights.schema import checkpoint_entries, expected_tensors, parameter_count
 from tests.support.cli_run import error_lines, run_cli
-from tests.support.configs import CONFIGS
+from tests.support.configs import CONFIGS, small_k3
 
 REAL, TWIN = CONFIGS / "Kimi-K3-2.8T-A50B-config.json", CONFIGS / "Kimi-K3-twin-0.4B-config.json"
 
@@ -61,3 +63,14 @@ def test_k3_refusals_are_one_line(tmp_path):
     assert rc != 0 and len(lines) == 1 and "Traceback" not in text, text
     assert "a Kimi K3 config is read and planned (run.mode=plan), but the K3 model does not run yet" in lines[0]
     assert lines[0].endswith("run.mode=generate cannot load it")
+
+
+def test_a_k3_checkpoint_plans_from_its_headers_without_its_vision_tower(tmp_path):
+    model = write_checkpoint(small_k3(), tmp_path / "k3", seed=2, tokenizer=False)  # with two vision stubs
+    rc, text, result = run_cli(tmp_path / "plan", f"model.path={model}", "run.mode=plan", "memory.free=1GiB")
+    assert rc == 0, text
+    assert text.count("vision-tower") == 1 and f"{model}: skipping 2 vision-tower tensors" in text
+    assert result["verdict"] == "admitted" and result["tensors"] == len(expected_tensors(load_config(model)))
+    rc, text, _ = run_cli(tmp_path / "load", f"model.path={model}", "run.mode=load")
+    lines = error_lines(text)
+    assert rc != 0 and len(lines) == 1 and lines[0].endswith("run.mode=load cannot load it"), text
