@@ -90,15 +90,19 @@ def _moe_placements(cfg, layer: str) -> dict:
 
 
 def _moe_activation(cfg, world: int, *, tokens: int, seqs: int, longest: int, s: int, cpu: bool, dense: bool):
-    """Tokens sorted by expert, their gate/up and down outputs, or with dense experts every expert's."""
+    """Tokens sorted by expert, their gate/up and down outputs, or with dense experts every expert's. K3's experts
+    run in the latent (`latent_size` wide, 0 on Kimi-Linear), which its down projection's output z (all-gathered)
+    and the combined latent (fp32, before the norm) add."""
     D, k, E, I_ = cfg.hidden_size, cfg.top_k, cfg.num_experts, cfg.expert_size // world
+    W = cfg.latent_size or D  # what the experts read and write
     rows = padded_rows(tokens, k, E, PAD_ROWS if cpu else 1)  # sorted (CPU: padded) x, gate/up, act, down
-    routed = rows * (D * s + 3 * I_ * s + D * s) + tokens * k * (D * s + D * 4 + 3 * 8)  # then [N*k] fp32
+    routed = rows * (W * s + 3 * I_ * s + W * s) + tokens * k * (W * s + W * 4 + 3 * 8)  # then [N*k] fp32
     if dense:  # every expert: gate/up, act, weighted fp32 act and its rounding; the output
-        routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + D * (s + 4))
+        routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + W * (s + 4))
     router = tokens * E * 4 * 4
     shared = tokens * 3 * cfg.shared_size // world * s
-    return routed + router + shared + tokens * D * 4 * 2
+    latent = tokens * cfg.latent_size * (s + 4)  # z and the fp32 combine (0 on Kimi-Linear)
+    return routed + router + shared + latent + tokens * D * 4 * 2
 
 
 MOE = LayerKind(
