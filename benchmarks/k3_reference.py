@@ -37,11 +37,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from k3dist.config import text_fields  # noqa: E402
 from k3dist.offline.prompts import seeded_ids  # noqa: E402
 from k3dist.twin.checkpoint import cache_root, ensure_twin  # noqa: E402
 from k3dist.twin.k3_checkpoint import K3_TWIN_VERSION  # noqa: E402
 from k3dist.twin.tokenizer import TWIN_TOKENIZER_VERSION  # noqa: E402
-from k3dist.weights.k3_config import text_fields  # noqa: E402
 
 CONFIG = ROOT / "k3dist" / "configs" / "Kimi-K3-twin-0.4B-config.json"
 OUT = ROOT / "tests" / "data" / "k3"

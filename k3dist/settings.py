@@ -97,7 +97,9 @@ ON_OFF = Choice("auto", "on", "off")
 
 @dataclass(frozen=True)
 class ModelSettings:
-    name: str = key("twin_0_40b", Text(), "the `model=` option: `twin_0_40b` or `kimi_linear_48b` (conf/model/)")
+    name: str = key(
+        "twin_0_40b", Text(), "the `model=` option: `twin_0_40b`, `kimi_linear_48b` or `kimi_k3` (conf/model/)"
+    )
     config_file: Path = key(
         CONFIGS / "Kimi-K3-0.40B-config.json",
         _config_file,

@@ -24,8 +24,10 @@ TABLE = (
     DType("float32", "F32", torch.float32),
     DType("float64", "F64", torch.float64),  # accepted on disk, never a compute dtype
 )
-BY_NAME = {d.name: d for d in TABLE}
-BY_CODE = {d.code: d for d in TABLE}
+MXFP4_BYTES = DType("uint8", "U8", torch.uint8)  # K3's MXFP4 experts: packed codes and E8M0 scales, nothing else
+BY_NAME = {d.name: d for d in (*TABLE, MXFP4_BYTES)}
+BY_CODE = {d.code: d for d in (*TABLE, MXFP4_BYTES)}
+BY_TORCH = {d.torch: d for d in (*TABLE, MXFP4_BYTES)}
 COMPUTE = ("bfloat16", "float16", "float32")  # dtypes a model may compute in
 ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 

@@ -80,11 +80,12 @@ KDA = LayerKind(
     k3_tensors=_k3_tensors,
     placements=_placements,
     policy=(
-        (r"\.self_attn\.A_log$", HEADS),
+        (r"\.self_attn\.A_log$", HEADS),  # K3's [128], padded past the heads: replicated (tp_plan.axis_of)
         (r"\.self_attn\.(f_a_proj|g_a_proj)\.weight$", REPLICATED),
         (r"\.self_attn\.[qkv]_proj\.weight$", COLUMN),  # by head
         (r"\.self_attn\.[qkv]_conv1d\.weight$", COLUMN),
         (r"\.self_attn\.(f_b_proj|g_b_proj|b_proj)\.weight$", COLUMN),
+        (r"\.self_attn\.g_proj\.weight$", COLUMN),  # K3's full-rank output gate [P, D], by head (MLA's too)
         (r"\.self_attn\.dt_bias$", COLUMN),
         (r"\.self_attn\.o_proj\.weight$", ROW),
     ),

@@ -86,8 +86,11 @@ MLA = LayerKind(
     placements=_placements,
     policy=(
         (r"\.self_attn\.kv_a_proj_with_mqa\.weight$", REPLICATED),
+        (r"\.self_attn\.q_a_proj\.weight$", REPLICATED),  # K3's q-LoRA down: every head reads the whole rank
+        (r"\.self_attn\.q_b_proj\.weight$", COLUMN),  # by head
         (r"\.self_attn\.[qkv]_proj\.weight$", COLUMN),  # q_proj, by head
         (r"\.self_attn\.kv_b_proj\.weight$", COLUMN),
+        (r"\.self_attn\.g_proj\.weight$", COLUMN),  # K3's output gate [H*v, D], by head
         (r"\.self_attn\.o_proj\.weight$", ROW),
     ),
     cache=(

@@ -76,25 +76,33 @@ def _k3_moe_tensors(cfg) -> dict:
 
 
 def _moe_placements(cfg, layer: str) -> dict:
+    """Experts stacked: w1 and w3 fused per expert into `w13`, w2 into `w2`; K3's MXFP4 experts the same, once for
+    the packed codes (`w13_packed`) and once for the scales (`w13_scale`)."""
     out = _gate_up(layer + "block_sparse_moe.shared_experts.")
     x = layer + "block_sparse_moe.experts."
+    kept = (("weight_packed", "_packed"), ("weight_scale", "_scale")) if cfg.mxfp4_experts else (("weight", ""),)
     for e in range(cfg.num_experts):
-        out[f"{x}{e}.w1.weight"] = Placement(x + "w13", slot=e, part=0)
-        out[f"{x}{e}.w3.weight"] = Placement(x + "w13", slot=e, part=1)
-        out[f"{x}{e}.w2.weight"] = Placement(x + "w2", slot=e)
+        for part, tail in kept:
+            out[f"{x}{e}.w1.{part}"] = Placement(x + "w13" + tail, slot=e, part=0)
+            out[f"{x}{e}.w3.{part}"] = Placement(x + "w13" + tail, slot=e, part=1)
+            out[f"{x}{e}.w2.{part}"] = Placement(x + "w2" + tail, slot=e)
     return out
 
 
 def _moe_activation(cfg, world: int, *, tokens: int, seqs: int, longest: int, s: int, cpu: bool, dense: bool):
-    """Tokens sorted by expert, their gate/up and down outputs, or with dense experts every expert's."""
+    """Tokens sorted by expert, their gate/up and down outputs, or with dense experts every expert's. K3's experts
+    run in the latent (`latent_size` wide, 0 on Kimi-Linear), which its down projection's output z (all-gathered)
+    and the combined latent (fp32, before the norm) add."""
     D, k, E, I_ = cfg.hidden_size, cfg.top_k, cfg.num_experts, cfg.expert_size // world
+    W = cfg.latent_size or D  # what the experts read and write
     rows = padded_rows(tokens, k, E, PAD_ROWS if cpu else 1)  # sorted (CPU: padded) x, gate/up, act, down
-    routed = rows * (D * s + 3 * I_ * s + D * s) + tokens * k * (D * s + D * 4 + 3 * 8)  # then [N*k] fp32
+    routed = rows * (W * s + 3 * I_ * s + W * s) + tokens * k * (W * s + W * 4 + 3 * 8)  # then [N*k] fp32
     if dense:  # every expert: gate/up, act, weighted fp32 act and its rounding; the output
-        routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + D * (s + 4))
+        routed = tokens * (E * I_ * (3 * s + 4 + s) + E * 4 + W * (s + 4))
     router = tokens * E * 4 * 4
     shared = tokens * 3 * cfg.shared_size // world * s
-    return routed + router + shared + tokens * D * 4 * 2
+    latent = tokens * cfg.latent_size * (s + 4)  # z and the fp32 combine (0 on Kimi-Linear)
+    return routed + router + shared + latent + tokens * D * 4 * 2
 
 
 MOE = LayerKind(
@@ -108,14 +116,23 @@ MOE = LayerKind(
         ("num_expert_group", "num_expert_group"),
         ("topk_group", "topk_group"),
     ),
-    splits=(("expert size (moe_intermediate_size)", "expert_size"),),
+    splits=(
+        ("expert size (moe_intermediate_size)", "expert_size"),
+        ("latent MoE width (routed_expert_hidden_size)", "latent_size"),  # K3; 0 on Kimi-Linear
+    ),
     tensors=_moe_tensors,
     k3_tensors=_k3_moe_tensors,
     placements=_moe_placements,
     policy=(
         (r"\.gate\.(weight|e_score_correction_bias)$", REPLICATED),  # router
-        (r"\.experts\.\d+\.w[13]\.weight$", COLUMN),
-        (r"\.experts\.\d+\.w2\.weight$", ROW),
+        (r"\.experts\.\d+\.w[13]\.weight(_packed|_scale)?$", COLUMN),  # K3's MXFP4 pairs split as their weight
+        (r"\.experts\.\d+\.w2\.weight(_packed|_scale)?$", ROW),  # whole groups of 32 (config.validate_topology)
+        # K3's latent MoE (docs/model.md, "Kimi K3's TP plan"): the down projection split by latent row (z
+        # all-gathered: every expert reads the whole latent), the experts by their columns as above (their fp32
+        # combine all-reduced before the latent norm), the up projection by latent column (its partial output
+        # summed in the MLP's all-reduce); the latent norm replicated
+        (r"\.routed_expert_down_proj\.weight$", COLUMN),
+        (r"\.routed_expert_up_proj\.weight$", ROW),
         _GATE_UP,
         _DOWN,
     ),

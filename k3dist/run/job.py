@@ -8,7 +8,6 @@ decode) is published to the peers, which may be waiting inside a collective (`af
 
 import json
 import logging
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from ..base.errors import K3Error
 from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
-from ..config import ModelConfig, load_config, validate_topology
+from ..config import KIMI_K3, ModelConfig, load_config, validate_topology
 from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
 from ..offline.summary import print_summary
@@ -31,7 +30,7 @@ from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
 from ..weights.memory import detect_free, mark_base, peak_bytes
-from ..weights.schema import expected_tensors
+from ..weights.schema import expected_tensors, parameter_count
 from ..weights.whatif import plan_all_ranks
 from .fronts import FrontInputs, run_front
 from .plan import RunPlan, plan_run
@@ -102,7 +101,6 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
     free = s.memory.free if s.memory.free is not None else detect_free(rt.device, rt.local_world)
     plans = plan_all_ranks(cfg, inv, world, plan.dtype, free, plan.terms)
     refused = [p.refusal() for p in plans if not p.fits]
-    shapes = [e.shape for e in inv.entries.values()] if inv else list(expected_tensors(cfg).values())
     return base_result(s, rt, cfg, world) | {
         "mode": "plan",
         "plan_for": plan.run,
@@ -110,8 +108,8 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
         "runtime": plan.runtimes[0].as_dict(),
         "verdict": "refused" if refused else "admitted",
         "refusals": refused,
-        "params": sum(math.prod(shape) for shape in shapes),
-        "tensors": len(shapes),
+        "params": parameter_count(cfg),  # the inventory holds the same shapes (scan checks each)
+        "tensors": len(expected_tensors(cfg)),
     }
 
 
@@ -149,8 +147,20 @@ def serving_text(model_dir: Path, cap: int) -> TextTools:
     return text
 
 
+def runnable_config(s: Settings) -> ModelConfig:
+    """The model config of a run that loads weights: a Kimi K3 config reads and plans (run.mode=plan), but the K3
+    model math (docs/k3.md) is not built yet, so loading one is refused here, before any file is read or written."""
+    cfg = model_config(s)
+    if cfg.variant == KIMI_K3:
+        raise K3Error(
+            f"{cfg.source}: a Kimi K3 config is read and planned (run.mode=plan), but the K3 model does not run yet: "
+            f"run.mode={s.run.mode} cannot load it"
+        )
+    return cfg
+
+
 def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
-    cfg = staged("config", rt, lambda: model_config(s))
+    cfg = staged("config", rt, lambda: runnable_config(s))
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
     model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
     plan = plan_run(s, cfg, rt.world, rt.device, ranks=(rt.rank,))  # every rank alike, before anything is loaded

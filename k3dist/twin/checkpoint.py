@@ -19,9 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..base.dtypes import BY_NAME
-from ..config import parse_config
+from ..config import KIMI_K3, model_variant, parse_config, text_fields
 from ..weights.inventory import INDEX
-from ..weights.k3_config import KIMI_K3, model_variant, text_fields
 from ..weights.schema import expected_tensors
 from .k3_checkpoint import K3_TWIN_VERSION, k3_twin_sizes, variant_config, write_k3_shards
 from .tokenizer import K3_TOKENIZER_VERSION, KIMI_K2, TWIN_TOKENIZER_VERSION, write_tokenizer

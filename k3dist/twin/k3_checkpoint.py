@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..config import read_k3
 from ..kinds.kda import A_LOG_SLOTS
-from ..weights.k3_config import read_k3
 from ..weights.mxfp4 import dequantize, quantize
 from ..weights.schema import PACKED, SCALE, is_routed_expert, k3_logical_tensors, k3_tensors
 

@@ -6,6 +6,7 @@ the config's schema, keeps every path inside the model dir, and fingerprints the
 
 import hashlib
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -13,13 +14,14 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from ..base.dtypes import BY_CODE, ELEMENT_BITS
+from ..base.dtypes import ELEMENT_BITS, MXFP4_BYTES, TABLE
 from ..base.errors import K3Error
 from ..base.files import read_json
 from ..base.paths import INDEX, inside
 from ..config import ModelConfig
-from .schema import canonical_name, expected_tensors
+from .schema import MXFP4_PARTS, VISION_PREFIXES, canonical_name, expected_tensors, is_vision
 
+log = logging.getLogger("k3dist")
 MAX_HEADER = 100_000_000  # safetensors' own limit on the header length
 
 
@@ -136,7 +138,8 @@ def _header_problem(path: Path, size: int) -> str | None:
 
 
 def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
-    """Headers only: list every tensor, check it against the schema, fingerprint the checkpoint."""
+    """Headers only: list every tensor, check it against the schema, fingerprint the checkpoint. A vision tower's
+    tensors (K3's `vision_tower.`, `mm_projector.`) are skipped by name: never planned, so never read."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise K3Error(f"{model_dir}: model dir does not exist")
@@ -148,7 +151,7 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         raise K3Error(f"{model_dir}: no *.safetensors files")
     found: dict[str, TensorEntry] = {}
     digests: dict[str, str] = {}
-    total = 0
+    total, vision = 0, 0
     for name in files:
         path = inside(model_dir, name, "the weight_map" if index is not None else "a checkpoint file")
         size = path.stat().st_size
@@ -161,6 +164,9 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
                 finally:
                     os.close(fd)
                 for key in handle.keys():
+                    if is_vision(key):
+                        vision += 1
+                        continue
                     piece = handle.get_slice(key)
                     shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
                     entry = TensorEntry(canonical_name(key), key, name, shape, dtype, offsets[key])
@@ -172,9 +178,17 @@ def scan(model_dir: str | Path, cfg: ModelConfig) -> Inventory:
         except OSError as exc:
             raise K3Error(f"{path}: cannot read ({exc.strerror or exc})") from None
         digests[name] = header_digest(path, size)
+    if vision:
+        prefixes = ", ".join(VISION_PREFIXES)
+        log.info(f"{model_dir}: skipping {vision} vision-tower tensors ({prefixes}): k3dist serves the text model")
     _check(model_dir, cfg, found, index)
     ordered = {n: found[n] for n in expected_tensors(cfg)}
     return Inventory(cfg, model_dir, tuple(files), ordered, digests, total)
+
+
+def _codes(name: str) -> list[str]:
+    """The safetensors dtypes a tensor may have: uint8 for an MXFP4 pair's part, a float dtype for any other."""
+    return [MXFP4_BYTES.code] if name.endswith(MXFP4_PARTS) else sorted(d.code for d in TABLE)
 
 
 def _check(model_dir: Path, cfg: ModelConfig, found: dict[str, TensorEntry], index: dict | None) -> None:
@@ -190,10 +204,8 @@ def _check(model_dir: Path, cfg: ModelConfig, found: dict[str, TensorEntry], ind
                 f"{model_dir / entry.file}: tensor {entry.key} has shape {list(entry.shape)}, "
                 f"the config needs {list(shape)}"
             )
-        elif entry.dtype not in BY_CODE:
-            problems.append(
-                f"{model_dir / entry.file}: tensor {entry.key} has dtype {entry.dtype}, supported: {sorted(BY_CODE)}"
-            )
+        elif entry.dtype not in (codes := _codes(name)):
+            problems.append(f"{model_dir / entry.file}: tensor {entry.key} has dtype {entry.dtype}, supported: {codes}")
         elif index is not None and index.get(entry.key) not in (None, entry.file):
             problems.append(
                 f"{model_dir / INDEX}: tensor {entry.key} is mapped to {index[entry.key]} but stored in {entry.file}"
@@ -204,7 +216,7 @@ def _check(model_dir: Path, cfg: ModelConfig, found: dict[str, TensorEntry], ind
     if index is not None:
         stored = {e.key for e in found.values()}
         for key, file in index.items():
-            if key not in stored:
+            if key not in stored and not is_vision(key):
                 problems.append(f"{model_dir / INDEX}: weight_map lists tensor {key} in {file}, which lacks it")
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""

@@ -13,7 +13,8 @@ MXFP4 blocks after llama.cpp's lossless repack, even where E8M0's top scales ove
 
 import torch
 
-GROUP = 32  # inputs per E8M0 scale
+from ..config import MXFP4_GROUP as GROUP  # inputs per E8M0 scale
+
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes by the code's low 3 bits
 SIGN = 8  # bit 3 of a code
 

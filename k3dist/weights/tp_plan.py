@@ -21,14 +21,15 @@ from ..kinds.spec import HEADS as HEADS
 from ..kinds.spec import REPLICATED, VOCAB, Axis, Placement
 from ..kinds.spec import ROW as ROW
 from .inventory import TensorEntry
-from .schema import keeps_fp32, placements
+from .schema import kept_dtype, placements
 
 # First match wins. Names are canonical checkpoint names (schema.expected_tensors): the rules every model has, then
 # each layer kind's own (kinds/), in registry order, each rule once.
 _SHARED: tuple[tuple[str, Axis], ...] = (
     (r"^model\.embed_tokens\.weight$", VOCAB),
     (r"^lm_head\.weight$", VOCAB),
-    (r"norm\.weight$", REPLICATED),  # input/post_attention/model norm, kv_a_layernorm, KDA o_norm
+    (r"norm\.weight$", REPLICATED),  # input/post_attention/model norm, kv_a_layernorm, KDA o_norm, K3's res norms
+    (r"_res_proj\.weight$", REPLICATED),  # K3's block attention residuals: each site's score vector [1, D]
 )
 POLICY: tuple[tuple[str, Axis], ...] = tuple(dict.fromkeys((*_SHARED, *(rule for k in KINDS for rule in k.policy))))
 
@@ -36,12 +37,25 @@ POLICY: tuple[tuple[str, Axis], ...] = tuple(dict.fromkeys((*_SHARED, *(rule for
 _COMPILED = tuple((re.compile(pattern), axis) for pattern, axis in POLICY)
 
 
-@functools.lru_cache(maxsize=1 << 16)  # every rank's plan asks for the same names (20,493 for the 48B)
-def axis_of(name: str) -> Axis:
+_INDEX = re.compile(r"\.\d+\.")  # a layer's or an expert's number: no rule looks at it
+
+
+def axis_of(name: str, ndim: int | None = None) -> Axis:
+    """The first rule's axis; replicated where the rule's dim is past a tensor of `ndim` dims: K3's A_log [128] is
+    padded past its heads, so no split by heads lands on head boundaries, and every rank keeps it whole (512 bytes)
+    and takes its own heads (docs/model.md, "Kimi K3's TP plan")."""
+    axis = _rule(_INDEX.sub(".0.", name))
+    if axis is None:
+        raise K3Error(f"tensor {name}: no sharding rule in the TP policy")
+    return REPLICATED if axis.dim is not None and ndim is not None and axis.dim >= ndim else axis
+
+
+@functools.cache  # a few dozen shapes of name, whatever the layer and expert counts (K3: 497,052 tensors)
+def _rule(name: str) -> Axis | None:
     for pattern, axis in _COMPILED:
         if pattern.search(name):
             return axis
-    raise K3Error(f"tensor {name}: no sharding rule in the TP policy")
+    return None
 
 
 def shard_range(size: int, world: int, rank: int) -> tuple[int, int]:
@@ -97,7 +111,7 @@ def plan_tensor(
     row: int | None = None,
 ) -> ShardPlan:
     """One tensor's plan on one rank. `row` is its first row in a fused destination (plan_rank computes it)."""
-    axis = axis_of(entry.name)
+    axis = axis_of(entry.name, len(entry.shape))
     start, stop, local = 0, 0, tuple(entry.shape)
     if axis.dim is not None:
         start, stop = shard_range(entry.shape[axis.dim], world, rank)
@@ -113,7 +127,7 @@ def plan_tensor(
         full_shape=tuple(entry.shape),
         local_shape=local,
         src_dtype=entry.dtype,
-        dtype=torch.float32 if keeps_fp32(entry.name) else compute_dtype,
+        dtype=kept_dtype(entry.name, compute_dtype),
         dest=placement.dest,
         slot=placement.slot,
         row=row,

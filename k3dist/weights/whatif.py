@@ -5,18 +5,22 @@ Plans from an inventory when there is a checkpoint (real or sparse), or from the
 
 import torch
 
-from ..base.dtypes import BY_NAME
+from ..base.dtypes import BY_NAME, BY_TORCH
 from ..config import ModelConfig
 from .inventory import Inventory, TensorEntry
 from .memory import WEIGHTS_ONLY, MemoryPlan, MemoryTerms, memory_plan
-from .schema import expected_tensors
+from .schema import canonical_name, checkpoint_entries
 from .tp_plan import plan_rank
 
 
 def config_entries(cfg: ModelConfig) -> list[TensorEntry]:
-    """The tensors the schema expects, every one in the config's dtype, in no file."""
-    code = BY_NAME[cfg.dtype].code
-    return [TensorEntry(n, n, None, s, code) for n, s in expected_tensors(cfg).items()]
+    """The tensors the schema expects, in no file: a Kimi-Linear checkpoint's every one in the config's dtype, a K3
+    checkpoint's in K3's own (F32 where it stores F32, its MXFP4 experts as uint8 pairs)."""
+    dtype = BY_NAME[cfg.dtype].torch
+    return [
+        TensorEntry(canonical_name(key), key, None, shape, BY_TORCH[d].code)
+        for key, (shape, d) in checkpoint_entries(cfg, dtype).items()
+    ]
 
 
 def plan_all_ranks(

@@ -163,7 +163,7 @@ def test_help_and_cfg_show_the_config():
     )
     assert out.returncode == 0 and "reserve:" in out.stdout and "cap:" in out.stdout and "nproc:" in out.stdout
     out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "model: kimi_linear_48b, twin_0_40b" in out.stdout
+    assert out.returncode == 0 and "model: kimi_k3, kimi_linear_48b, twin_0_40b" in out.stdout
 
 
 @pytest.mark.slow  # the 48B what-if from its config stays in the default run

@@ -1,10 +1,13 @@
-"""Small Kimi-Linear configs for tests: the twin's structure at toy sizes, varied by overrides."""
+"""Small configs for tests: the Kimi-Linear twin's structure at toy sizes, varied by overrides, and the K3 twin's
+packaging at toy sizes."""
 
 import copy
 import json
 from pathlib import Path
 
-TWIN = Path(__file__).resolve().parents[2] / "k3dist" / "configs" / "Kimi-K3-0.40B-config.json"
+CONFIGS = Path(__file__).resolve().parents[2] / "k3dist" / "configs"
+TWIN = CONFIGS / "Kimi-K3-0.40B-config.json"
+K3_TWIN = CONFIGS / "Kimi-K3-twin-0.4B-config.json"
 
 
 def twin_config() -> dict:
@@ -47,3 +50,16 @@ def small_config(**overrides) -> dict:
         else:
             raw[key] = value
     return copy.deepcopy(raw)
+
+
+def small_k3() -> dict:
+    """The K3 twin's packaging at toy sizes: 6 layers (MLA at 3 and 6, 1-based), blocks of 2, 4 experts."""
+    out = json.loads(K3_TWIN.read_text())
+    t = out["text_config"]
+    t.update(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2)
+    t.update(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    t.update(intermediate_size=96, num_experts=4, num_experts_per_token=2, num_shared_experts=1)
+    t.update(moe_intermediate_size=32, routed_expert_hidden_size=64, attn_res_block_size=2)
+    t["linear_attn_config"] |= {"num_heads": 2, "head_dim": 16, "full_attn_layers": [3, 6], "kda_layers": [1, 2, 4, 5]}
+    out |= {"bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
+    return out

@@ -12,12 +12,13 @@ import torch
 from safetensors import safe_open
 
 from k3dist.base.errors import K3Error
+from k3dist.config import KIMI_K3, KIMI_LINEAR, model_variant, read_k3
 from k3dist.text.tokenizer import load_tokenizer
 from k3dist.twin.checkpoint import ensure_twin, write_checkpoint
 from k3dist.twin.k3_checkpoint import VISION_STUBS
-from k3dist.weights.k3_config import KIMI_K3, KIMI_LINEAR, model_variant, read_k3
 from k3dist.weights.mxfp4 import dequantize
 from k3dist.weights.schema import checkpoint_tensors, is_routed_expert, k3_logical_tensors, k3_tensors
+from tests.support.configs import small_k3
 
 CONFIGS = Path(__file__).resolve().parents[2] / "k3dist" / "configs"
 REAL, TWIN, TWIN12 = (CONFIGS / f"Kimi-K3-{n}-config.json" for n in ("2.8T-A50B", "twin-0.4B", "twin-0.4B-block12"))
@@ -26,19 +27,6 @@ U8, F32, BF16 = torch.uint8, torch.float32, torch.bfloat16
 
 def raw(path: Path) -> dict:
     return json.loads(path.read_text())
-
-
-def small_k3() -> dict:
-    """The twin's packaging at toy sizes: 6 layers (MLA at 3 and 6, 1-based), blocks of 2, 4 experts."""
-    out = raw(TWIN)
-    t = out["text_config"]
-    t.update(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2)
-    t.update(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    t.update(intermediate_size=96, num_experts=4, num_experts_per_token=2, num_shared_experts=1)
-    t.update(moe_intermediate_size=32, routed_expert_hidden_size=64, attn_res_block_size=2)
-    t["linear_attn_config"] |= {"num_heads": 2, "head_dim": 16, "full_attn_layers": [3, 6], "kda_layers": [1, 2, 4, 5]}
-    out |= {"bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
-    return out
 
 
 def test_the_real_k3_layout():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3dist.base.files import read_json
-from k3dist.config import parse_config
+from k3dist.config import parse_config, read_k3
 from k3dist.kernels import kda as kda_kernel
 from k3dist.kinds import kda as kda_kind
 from k3dist.kinds import mla as mla_kind
@@ -19,7 +19,6 @@ from k3dist.kinds.spec import LayerKind
 from k3dist.model import mla as mla_model
 from k3dist.model.cache import cache_shapes
 from k3dist.model.kinds import BUILDERS
-from k3dist.weights.k3_config import read_k3
 from k3dist.weights.schema import expected_tensors, placements
 from k3dist.weights.tp_plan import POLICY, axis_of
 from tests.support.configs import small_config

@@ -1,20 +1,30 @@
-"""Which model family a config.json describes, and the K3 text-model fields the K3 tensor layout needs.
+"""Which model family a config.json describes (`model_variant`, decided once), and a Kimi K3 config read into a
+ModelConfig of variant `kimi_k3`.
 
 K3 is packaged as a multimodal model: `model_type: kimi_k3` at the top, the text model's fields nested in
-`text_config`, its tensors under `language_model.`, a vision tower beside it. `K3TextConfig` is the minimal typed
-reader the K3 schema and the twin writer need (sizes, the layer graph, whether routed experts are MXFP4). It reads
-with config.py's field checks, so a bad field reads as the same `error:` line; it holds no model math, and it folds
-into ModelConfig when the model learns K3.
+`text_config`, its tensors under `language_model.`, a vision tower beside it (`vision_config`), which k3dist does not
+serve. The text model's fields read with the same field checks as Kimi-Linear's, so a bad field reads as the same
+`error:` line; a field k3dist does not implement is refused, naming it, never ignored.
 """
 
 import math
-from dataclasses import dataclass, field
 
+from ..base.dtypes import compute_dtype
 from ..base.errors import K3Error
-from ..config import LayerSpec, _get, _layer_mixers, _layer_mlps
+from .fields import (
+    KIMI_K3,
+    KIMI_LINEAR,
+    LayerSpec,
+    ModelConfig,
+    _get,
+    _layer_mixers,
+    _layer_mlps,
+    _token_id,
+    check_sizes,
+)
 
-KIMI_LINEAR, KIMI_K3 = "kimi_linear", "kimi_k3"
 MXFP4_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors' name for MXFP4 with uint8 E8M0 scales
+MXFP4_GROUP = 32  # elements per E8M0 scale (weights/mxfp4.py's GROUP)
 # Shape-changing switches every K3 checkpoint sets; the K3 layout has no tensors for the other setting.
 K3_SWITCHES = (
     ("mla_use_nope", None),
@@ -25,9 +35,10 @@ K3_SWITCHES = (
 
 
 def model_variant(raw: dict) -> str:
-    """`kimi_k3` when the config nests its text model in `text_config` (K3's packaging) or carries
-    `attn_res_block_size` (K3's block attention residuals, which no Kimi-Linear has); `kimi_linear` otherwise."""
-    if isinstance(raw.get("text_config"), dict) or "attn_res_block_size" in raw:
+    """`kimi_k3` when the config says model_type kimi_k3, nests its text model in `text_config` (K3's packaging) or
+    carries `attn_res_block_size` (K3's block attention residuals, which no Kimi-Linear has); `kimi_linear`
+    otherwise."""
+    if raw.get("model_type") == KIMI_K3 or isinstance(raw.get("text_config"), dict) or "attn_res_block_size" in raw:
         return KIMI_K3
     return KIMI_LINEAR
 
@@ -38,42 +49,8 @@ def text_fields(raw: dict) -> dict:
     return raw | nested if isinstance(nested, dict) else raw
 
 
-@dataclass(frozen=True)
-class K3TextConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    rms_norm_eps: float
-    # KDA
-    kda_heads: int
-    kda_head_dim: int
-    conv_kernel: int
-    gate_lower_bound: float
-    # MLA (NoPE, q-LoRA, output gate)
-    mla_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_dim: int
-    qk_rope_dim: int
-    v_head_dim: int
-    # MLPs: the dense layer-0 MLP, the latent MoE
-    intermediate_size: int
-    num_experts: int
-    top_k: int
-    expert_size: int
-    num_shared_experts: int
-    latent_size: int
-    # block attention residuals and SiTU
-    attn_res_block_size: int
-    situ_beta: float
-    situ_linear_beta: float
-    mxfp4_experts: bool
-    layers: tuple[LayerSpec, ...] = field(repr=False)
-    source: str = "config.json"
-
-
-def read_k3(raw: dict, source: str = "config.json") -> K3TextConfig:
-    """The K3 fields of a K3-packaged (or flattened) config.json; a missing or mistyped field is a K3Error."""
+def read_k3(raw: dict, source: str = "config.json") -> ModelConfig:
+    """The fields of a K3-packaged (or flattened) config.json; a missing or mistyped field is a K3Error."""
     t = text_fields(raw)
     src = f"{source}: text_config" if isinstance(raw.get("text_config"), dict) else source
     lac = t.get("linear_attn_config")
@@ -85,6 +62,9 @@ def read_k3(raw: dict, source: str = "config.json") -> K3TextConfig:
             raise K3Error(
                 f"{src}: {parent + '.' if parent else ''}{name}={value!r}: only true (K3's layout) is supported"
             )
+    router_act = t.get("moe_router_activation_func", "sigmoid")
+    if router_act != "sigmoid":
+        raise K3Error(f"{src}: moe_router_activation_func={router_act!r} is not supported (sigmoid)")
     if t.get("hidden_act") != "situ":
         raise K3Error(f"{src}: hidden_act={t.get('hidden_act')!r} is not supported (K3: situ)")
     if t.get("num_nextn_predict_layers"):
@@ -98,7 +78,16 @@ def read_k3(raw: dict, source: str = "config.json") -> K3TextConfig:
         LayerSpec(i, m, p)
         for i, (m, p) in enumerate(zip(_layer_mixers(t, n, src), _layer_mlps(t, n, num_experts, src), strict=True))
     )
-    return K3TextConfig(
+    cfg = ModelConfig(
+        variant=KIMI_K3,
+        dtype=compute_dtype(t.get("dtype", t.get("torch_dtype", "bfloat16")), f"{src}: dtype").name,
+        renormalize=_get(t, src, "moe_renormalize", "norm_topk_prob", default=True, kind=bool),
+        routed_scaling_factor=_get(t, src, "routed_scaling_factor", default=1.0, kind=float),
+        num_expert_group=_get(t, src, "num_expert_group", "n_group", default=1),
+        topk_group=_get(t, src, "topk_group", default=1),
+        eos_token_id=_token_id(t.get("eos_token_id")),
+        bos_token_id=_token_id(t.get("bos_token_id")),
+        pad_token_id=_token_id(t.get("pad_token_id")),
         vocab_size=_get(t, src, "vocab_size"),
         hidden_size=_get(t, src, "hidden_size"),
         num_layers=n,
@@ -126,6 +115,8 @@ def read_k3(raw: dict, source: str = "config.json") -> K3TextConfig:
         layers=layers,
         source=source,
     )
+    check_sizes(cfg)
+    return cfg
 
 
 def _lower_bound(value, src: str) -> float:
@@ -148,7 +139,7 @@ def _mxfp4_experts(quant, src: str) -> bool:
         )
     for name, group in (quant.get("config_groups") or {}).items():
         weights = group.get("weights") or {} if isinstance(group, dict) else {}
-        if weights.get("group_size") != 32 or weights.get("num_bits") != 4:
+        if weights.get("group_size") != MXFP4_GROUP or weights.get("num_bits") != 4:
             raise K3Error(
                 f"{src}: quantization_config.config_groups.{name}: group_size={weights.get('group_size')!r} "
                 f"num_bits={weights.get('num_bits')!r} (MXFP4 is 4 bits in groups of 32)"

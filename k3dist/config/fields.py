@@ -1,19 +1,18 @@
-"""ModelConfig: a Hugging Face `config.json` of model_type `kimi_linear` read into typed fields and a layer graph.
+"""ModelConfig: a model's config.json as typed fields and a layer graph, and the field readers both variants share.
 
-Everything downstream (inventory, TP plan, model, cache) reads these fields, never the raw JSON.
+Everything downstream (inventory, TP plan, model, cache) reads these fields, never the raw JSON. Kimi-Linear
+(kimi_linear.py) and Kimi K3 (k3.py) fill the same dataclass; `variant` says which one it is, decided once from the
+config's fields (k3.model_variant), and the K3-only fields keep their zero defaults on a Kimi-Linear config.
 """
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .base.dtypes import compute_dtype
-from .base.errors import K3Error
-from .base.files import read_json
-from .kinds.mlps import DENSE, MOE
-from .kinds.registry import MIXERS, MLPS, present
+from ..base.errors import K3Error
+from ..kinds.mlps import DENSE, MOE
+from ..kinds.registry import MIXERS, MLPS, present
 
-MODEL_TYPES = {"kimi_linear", "kimi_k3", "Kimi-K3"}
+KIMI_LINEAR, KIMI_K3 = "kimi_linear", "kimi_k3"  # the variants (ModelConfig.variant)
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     source: str = "config.json"
+    variant: str = KIMI_LINEAR
+    # Kimi K3 only (k3.py); zero on Kimi-Linear
+    q_lora_rank: int = 0  # MLA's low-rank query
+    latent_size: int = 0  # the latent MoE's width (routed_expert_hidden_size)
+    attn_res_block_size: int = 0  # block attention residuals: a snapshot every this many layers
+    gate_lower_bound: float = 0.0  # KDA's g_min
+    situ_beta: float = 0.0
+    situ_linear_beta: float = 0.0
+    mxfp4_experts: bool = False  # routed experts stored as compressed-tensors MXFP4
 
     @property
     def kda_dim(self) -> int:
@@ -143,67 +151,6 @@ def _layer_mlps(raw: dict, n: int, num_experts: int, source: str) -> list[str]:
     return [MOE.name if num_experts and i >= first_dense and i % freq == 0 else DENSE.name for i in range(n)]
 
 
-def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
-    """Typed config from the raw JSON of an HF kimi_linear config (original names or transformers 5.x aliases)."""
-    if not isinstance(raw, dict):
-        raise K3Error(f"{source}: must hold a JSON object")
-    mt = raw.get("model_type")
-    if not isinstance(mt, str) or mt not in MODEL_TYPES:
-        raise K3Error(f"{source}: model_type={mt!r} is not one of {sorted(MODEL_TYPES)}")
-    if raw.get("q_lora_rank") is not None:
-        raise K3Error(f"{source}: q_lora_rank={raw['q_lora_rank']} is not supported (Kimi-Linear uses null)")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise K3Error(f"{source}: hidden_act={act!r} is not supported (silu)")
-    router_act = raw.get("moe_router_activation_func", "sigmoid")
-    if router_act != "sigmoid":
-        raise K3Error(f"{source}: moe_router_activation_func={router_act!r} is not supported (sigmoid)")
-    lac = raw.get("linear_attn_config") or {}
-    if not isinstance(lac, dict):
-        raise K3Error(f"{source}: linear_attn_config must be an object")
-    n = _get(raw, source, "num_hidden_layers")
-    if n < 1:
-        raise K3Error(f"{source}: num_hidden_layers={n} must be >= 1")
-    num_experts = _get(raw, source, "num_experts", "num_local_experts", default=0)
-    mixers = _layer_mixers(raw, n, source)
-    mlps = _layer_mlps(raw, n, num_experts, source)
-    dtype = compute_dtype(raw.get("dtype", raw.get("torch_dtype", "bfloat16")), f"{source}: dtype").name
-    lac_src = f"{source}: linear_attn_config"
-    cfg = ModelConfig(
-        vocab_size=_get(raw, source, "vocab_size"),
-        hidden_size=_get(raw, source, "hidden_size"),
-        num_layers=n,
-        intermediate_size=_get(raw, source, "intermediate_size", default=0),
-        rms_norm_eps=_get(raw, source, "rms_norm_eps", default=1e-6, kind=float),
-        dtype=dtype,
-        kda_heads=_get(lac, lac_src, "num_heads", default=_get(raw, source, "linear_num_heads", default=0)),
-        kda_head_dim=_get(lac, lac_src, "head_dim", default=_get(raw, source, "linear_head_dim", default=0)),
-        conv_kernel=_get(
-            lac, lac_src, "short_conv_kernel_size", default=_get(raw, source, "linear_conv_kernel_dim", default=4)
-        ),
-        mla_heads=_get(raw, source, "num_attention_heads"),
-        qk_nope_dim=_get(raw, source, "qk_nope_head_dim", default=0),
-        qk_rope_dim=_get(raw, source, "qk_rope_head_dim", default=0),
-        v_head_dim=_get(raw, source, "v_head_dim", default=0),
-        kv_lora_rank=_get(raw, source, "kv_lora_rank", default=0),
-        num_experts=num_experts,
-        top_k=_get(raw, source, "num_experts_per_token", "num_experts_per_tok", default=0),
-        expert_size=_get(raw, source, "moe_intermediate_size", default=0),
-        num_shared_experts=_get(raw, source, "num_shared_experts", "n_shared_experts", default=0),
-        renormalize=_get(raw, source, "moe_renormalize", "norm_topk_prob", default=True, kind=bool),
-        routed_scaling_factor=_get(raw, source, "routed_scaling_factor", default=1.0, kind=float),
-        num_expert_group=_get(raw, source, "num_expert_group", "n_group", default=1),
-        topk_group=_get(raw, source, "topk_group", default=1),
-        layers=tuple(LayerSpec(i, m, p) for i, (m, p) in enumerate(zip(mixers, mlps, strict=True))),
-        eos_token_id=_token_id(raw.get("eos_token_id")),
-        bos_token_id=_token_id(raw.get("bos_token_id")),
-        pad_token_id=_token_id(raw.get("pad_token_id")),
-        source=source,
-    )
-    _check_sizes(cfg)
-    return cfg
-
-
 def _token_id(value):
     if isinstance(value, list):
         return value[0] if value else None
@@ -214,7 +161,7 @@ def _token_id(value):
 _SIZES = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"))
 
 
-def _check_sizes(cfg: ModelConfig) -> None:
+def check_sizes(cfg: ModelConfig) -> None:
     """Every size a present layer kind needs must be positive, and the router settings consistent."""
     src = cfg.source
     sizes = (*_SIZES, *(size for kind in present(cfg) for size in kind.sizes))
@@ -230,26 +177,3 @@ def _check_sizes(cfg: ModelConfig) -> None:
                 f"{src}: num_experts={cfg.num_experts} must split into num_expert_group="
                 f"{cfg.num_expert_group} groups with topk_group={cfg.topk_group} <= groups"
             )
-
-
-def load_config(path: str | Path) -> ModelConfig:
-    """Read and parse a config.json (a model dir or the file itself)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise K3Error(f"{path}: config.json not found")
-    return parse_config(read_json(path), str(path))
-
-
-def validate_topology(cfg: ModelConfig, world: int) -> None:
-    """Refuse a world size that cannot split heads or experts, before any weight file is opened."""
-    if world < 1:
-        raise K3Error(f"world size {world} must be >= 1")
-    checks = [(what, getattr(cfg, attr)) for kind in present(cfg) for what, attr in kind.splits]
-    bad = [f"{what}={n}" for what, n in checks if n % world]
-    if bad:
-        ok = [w for w in range(1, 65) if all(n % w == 0 for _, n in checks)]
-        raise K3Error(
-            f"{cfg.source}: world size {world} does not divide {', '.join(bad)}; world sizes that fit: {ok[:12]}"
-        )

@@ -1,0 +1,76 @@
+"""Kimi K3 from the command line: the what-if plan of the real 2.78T config at world 8 (`model=kimi_k3`) and of the
+K3 twin's; a world that would cut an MXFP4 group, and a run that would load K3 (its model does not run yet), each
+refused with one `error:` line before anything is read or written; a K3 checkpoint planned from its headers, its
+vision tower skipped with one log line."""
+
+import math
+
+import pytest
+import torch
+
+from k3dist.config import load_config
+from k3dist.twin.checkpoint import write_checkpoint
+from k3dist.weights.schema import checkpoint_entries, expected_tensors, parameter_count
+from tests.support.cli_run import error_lines, run_cli
+from tests.support.configs import CONFIGS, small_k3
+
+REAL, TWIN = CONFIGS / "Kimi-K3-2.8T-A50B-config.json", CONFIGS / "Kimi-K3-twin-0.4B-config.json"
+
+
+def mxfp4_bytes(config) -> int:
+    """The routed experts' packed codes and scales, as stored (uint8)."""
+    entries = checkpoint_entries(load_config(config), torch.bfloat16)
+    return sum(math.prod(shape) for name, (shape, dtype) in entries.items() if dtype == torch.uint8)
+
+
+def check_plan(result, text, world, params, tensors, mxfp4):
+    assert result["mode"] == "plan" and result["world_size"] == world and result["verdict"] == "admitted", text
+    assert result["params"] == params  # the experts counted as weights, not as their packed bytes
+    assert result["tensors"] == tensors
+    plans = result["plan"]
+    assert [p["rank"] for p in plans] == list(range(world))
+    for p in plans:  # every rank holds its share of the packed experts, and the cache of its heads per slot
+        assert p["local_bytes"] > mxfp4 // world and p["cache_bytes"] > 0
+    assert len({p["local_bytes"] for p in plans}) == 1  # every split is even
+    assert "verdict: admitted" in text and "Traceback" not in text
+
+
+def test_what_if_plan_of_the_k3_twin(tmp_path):
+    rc, text, result = run_cli(
+        tmp_path, f"model.config_file={TWIN}", "run.mode=plan", "dist.world_size=4", "memory.free=8GiB", timeout=120
+    )
+    assert rc == 0, text
+    check_plan(result, text, 4, 403_821_952, 6_590, mxfp4_bytes(TWIN))
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores: 497,052 tensors planned on each of 8 ranks
+def test_what_if_plan_of_the_real_k3_at_world_8(tmp_path):
+    rc, text, result = run_cli(
+        tmp_path, "model=kimi_k3", "run.mode=plan", "dist.world_size=8", "memory.free=400GiB", timeout=600
+    )
+    assert rc == 0, text
+    check_plan(result, text, 8, parameter_count(load_config(REAL)), 497_052, mxfp4_bytes(REAL))
+
+
+def test_k3_refusals_are_one_line(tmp_path):
+    rc, text, _ = run_cli(tmp_path / "w8", f"model.config_file={TWIN}", "run.mode=plan", "dist.world_size=8")
+    lines = error_lines(text)
+    assert rc != 0 and len(lines) == 1 and "Traceback" not in text, text
+    assert "world size 8 splits the MXFP4 experts' moe_intermediate_size=128 into 16 columns per rank" in lines[0]
+    assert "world sizes that fit: [1, 2, 4]" in lines[0]
+    rc, text, _ = run_cli(tmp_path / "gen", f"model.config_file={TWIN}", "generate.prompt=[1, 2, 3]")
+    lines = error_lines(text)
+    assert rc != 0 and len(lines) == 1 and "Traceback" not in text, text
+    assert "a Kimi K3 config is read and planned (run.mode=plan), but the K3 model does not run yet" in lines[0]
+    assert lines[0].endswith("run.mode=generate cannot load it")
+
+
+def test_a_k3_checkpoint_plans_from_its_headers_without_its_vision_tower(tmp_path):
+    model = write_checkpoint(small_k3(), tmp_path / "k3", seed=2, tokenizer=False)  # with two vision stubs
+    rc, text, result = run_cli(tmp_path / "plan", f"model.path={model}", "run.mode=plan", "memory.free=1GiB")
+    assert rc == 0, text
+    assert text.count("vision-tower") == 1 and f"{model}: skipping 2 vision-tower tensors" in text
+    assert result["verdict"] == "admitted" and result["tensors"] == len(expected_tensors(load_config(model)))
+    rc, text, _ = run_cli(tmp_path / "load", f"model.path={model}", "run.mode=load")
+    lines = error_lines(text)
+    assert rc != 0 and len(lines) == 1 and lines[0].endswith("run.mode=load cannot load it"), text
