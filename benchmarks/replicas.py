@@ -14,7 +14,13 @@ cache_aware, round_robin, rotated every repeat) and the table gives the medians 
 
 Per mode: the share of prompt tokens restored from prefix snapshots, from the replicas' own /metrics
 (`k3dist_prefix_tokens_reused` over `k3dist_prompt_tokens_total`), TTFT p50 and p90 of turns 2 to the last (the
-turns a router can send where their history is), output tokens per second of the run. Targets: `cache_aware`'s
+turns a router can send where their history is), output tokens per second of the run.
+
+Memory: each replica's prefix pool is --prefix-mib (prefix.bytes), sized so that one replica holds the snapshots of
+about half the conversations (a snapshot of the twin at 1,700 tokens is 4.5 MiB); the single replica, the ceiling,
+gets the fleet's whole pool (--replicas times it). That is where routing matters: with a pool that holds every
+conversation on every replica (prefix.bytes=1GiB), `round_robin` finds a history on either replica by turn 3 and
+the later turns' TTFT differs by the turn-2 misses alone (BENCHMARKS.md has both). Targets: `cache_aware`'s
 share at least 0.9 of one replica's, its TTFT p50 of the later turns at least 2x lower than `round_robin`'s. A PNG of
 TTFT p50 by turn per mode goes beside the table.
 """
@@ -57,7 +63,7 @@ def workload(args, twin: Path) -> list[dict]:
     ]
 
 
-def replica_cmd(args, twin: Path, port: int, run_dir: Path, core: int | None) -> list[str]:
+def replica_cmd(args, twin: Path, port: int, run_dir: Path, core: int | None, pool_mib: int) -> list[str]:
     # an answer's text, sent back as the next turn's history, may tokenize to more tokens than were generated
     cap = args.system_tokens + args.doc_tokens + args.turns * (args.question_tokens + 4 * args.answer_tokens + 32) + 128
     pin = ["taskset", "-c", str(core)] if core is not None else []
@@ -72,6 +78,7 @@ def replica_cmd(args, twin: Path, port: int, run_dir: Path, core: int | None) ->
         f"serve.model_name={NAME}",
         f"generate.batch={args.batch}",
         f"cache.cap={cap}",
+        f"prefix.bytes={pool_mib}MiB",
         "hydra.output_subdir=null",
         f"hydra.run.dir={run_dir}",
         *args.k3dist_args,
@@ -114,7 +121,8 @@ def one_run(args, mode: str, twin: Path, convs: list[dict], tmp: Path) -> dict:
     for i in range(count):
         port = common.free_port()
         core = cores[i] if len(cores) >= count and not args.no_pin else None
-        cmd = replica_cmd(args, twin, port, tmp / f"{mode}-{i}", core)
+        pool = args.prefix_mib * (args.replicas if mode == "single" else 1)  # single: the fleet's whole pool in one
+        cmd = replica_cmd(args, twin, port, tmp / f"{mode}-{i}", core, pool)
         servers.append(Server(f"{mode}-replica{i}", cmd, f"http://127.0.0.1:{port}", tmp))
     gateway = None
     try:
@@ -228,6 +236,12 @@ def main() -> int:
     ap.add_argument("--no-pin", action="store_true", help="do not pin each replica to a core of its own")
     ap.add_argument("--k3dist-args", nargs="*", default=[], help="more overrides for every replica")
     ap.add_argument("--gateway-args", nargs="*", default=[], help="more smg flags (e.g. --cache-threshold 0.5)")
+    ap.add_argument(
+        "--prefix-mib",
+        type=int,
+        default=112,
+        help="each replica's prefix.bytes (MiB); the single replica, the ceiling, gets --replicas times it",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: " + json.dumps(QUICK))
     ap.add_argument("--seed", type=int, default=0)
     common.add_output_args(ap)
@@ -263,6 +277,7 @@ def main() -> int:
         f"{args.system_tokens} tokens shared by all and a document of {args.doc_tokens} of its own, then asks "
         f"{args.question_tokens}-token questions; answers {args.answer_tokens} tokens, greedy, streamed",
         f"each replica: world 1, bf16 twin, generate.batch={args.batch}, prefix reuse on (its default in a server), "
+        f"prefix.bytes={args.prefix_mib}MiB each (single: {args.replicas * args.prefix_mib}MiB, the fleet's pool), "
         f"{'its own core' if pinned else 'the cores unpinned'}; single = one replica, no gateway (the reuse ceiling)",
         f"smg {common.version_of('smg')}, default flags but {' '.join(GATEWAY_FLAGS + tuple(args.gateway_args))}; "
         "fresh replicas every run; "
