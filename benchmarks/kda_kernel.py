@@ -143,7 +143,7 @@ def fla_args(args: list) -> list:
     H = beta_raw.shape[-1]
     cs = conv_state.clone()
     q, k, v = (causal_conv_step(qkv[:, i], conv_w[i], cs[:, :, i]).view(B, 1, H, KDA_D) for i in range(3))
-    g = kda_gate(g_raw.view(B, 1, H, KDA_D), A_log, dt_bias)
+    g = kda_gate(g_raw.view(B, 1, H, KDA_D), A_log, dt_bias, layer.lower)
     return [q, k, v, g, beta_raw.float().sigmoid().view(B, 1, H), state.clone()]
 
 

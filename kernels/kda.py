@@ -13,15 +13,22 @@ import torch
 from torch import Tensor
 
 
-def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
-    """Per-channel log decay g = -exp(A_log) * softplus(g_raw + dt_bias), fp32, always < 0 (or == 0 on underflow).
+def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor, lower: float = 0.0) -> Tensor:
+    """Per-channel log decay, fp32, in one of the two forms a model chooses once (`lower`, its gate_lower_bound):
 
-    g_raw: [..., H, d]; A_log: [H]; dt_bias: [H*d] or [H, d]. Returns [..., H, d] fp32. Softplus is written as
+    lower == 0 (Kimi-Linear): g = -exp(A_log) * softplus(g_raw + dt_bias), unbounded below;
+    lower < 0 (Kimi K3): g = lower * sigmoid(exp(A_log) * (g_raw + dt_bias)), in [lower, 0]: a channel's decay per
+    token never falls below exp(lower), so no token wipes the state.
+
+    g_raw: [..., H, d]; A_log: [H]; dt_bias: [H*d] or [H, d]. Returns [..., H, d] fp32, <= 0. Softplus is written as
     transformers writes it (log(1 + exp(z)), identity above 20), not log1p, to match its output bit for bit.
     """
     z = g_raw.float() + dt_bias.float().view(g_raw.shape[-2:])
+    a = torch.exp(A_log.float()).unsqueeze(-1)
+    if lower < 0:
+        return lower * torch.sigmoid(a * z)
     softplus = torch.where(z > 20.0, z, torch.log(1.0 + torch.exp(z)))
-    return -torch.exp(A_log.float()).unsqueeze(-1) * softplus
+    return -a * softplus
 
 
 def _norm_qk(q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -18,13 +18,15 @@ from .norm import gated_rmsnorm
 @dataclass(frozen=True)
 class KDALayer:
     """A KDA layer's constants, as the core reads them: conv_w [3, P, K]; A_log [H] fp32; dt_bias [P] fp32;
-    o_norm [d]; eps of the gated RMSNorm. P = H * d."""
+    o_norm [d]; eps of the gated RMSNorm; lower, the forget gate's form (kda.kda_gate: 0 Kimi-Linear's softplus, < 0
+    K3's bound). P = H * d."""
 
     conv_w: Tensor
     A_log: Tensor
     dt_bias: Tensor
     o_norm: Tensor
     eps: float
+    lower: float = 0.0
 
 
 def kda_decode_fused(qkv: Tensor, g_raw: Tensor, beta_raw: Tensor, gate: Tensor, conv_state, state, layer: KDALayer):
@@ -47,7 +49,7 @@ def kda_decode_fused(qkv: Tensor, g_raw: Tensor, beta_raw: Tensor, gate: Tensor,
     # l2norm (eps inside the sqrt) and the q scale, gate and beta in fp32 (kda.py)
     q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d**-0.5)
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    g = kda_gate(g_raw.view(B, H, d), A_log, dt_bias)
+    g = kda_gate(g_raw.view(B, H, d), A_log, dt_bias, layer.lower)
     beta = beta_raw.float().sigmoid().unsqueeze(-1)
     # delta rule on the key-major state: decay, write beta * (v - S^T k) along k, read S^T q
     state.mul_(g.exp().unsqueeze(-1))

@@ -98,6 +98,7 @@ def _kda_decode_kernel(
     H,
     scale,
     eps,
+    lower,
     D: tl.constexpr,
     KW: tl.constexpr,
     BKW: tl.constexpr,
@@ -122,11 +123,15 @@ def _kda_decode_kernel(
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
 
-    # forget gate g = -exp(A_log) * softplus(g_raw + dt_bias), softplus the identity above 20; decay = exp(g)
+    # forget gate in the layer's form (kda.kda_gate), z = g_raw + dt_bias, a = exp(A_log); decay = exp(g)
     z = tl.load(graw_ptr + b * s_graw_b + ch_k * s_graw_p, mask=mk, other=0.0).to(tl.float32)
     z = z + tl.load(dtb_ptr + ch_k, mask=mk, other=0.0).to(tl.float32)
-    softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
-    decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    if lower < 0:  # K3: g = lower * sigmoid(a z), never below lower
+        g = lower * (1.0 / (1.0 + tl.exp(-(a * z))))
+    else:  # Kimi-Linear: g = -a * softplus(z), softplus the identity above 20
+        g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
+    decay = tl.exp(g)
     beta_raw = tl.load(braw_ptr + b * s_braw_b + h * s_braw_h).to(tl.float32)
     beta = 1.0 / (1.0 + tl.exp(-beta_raw))
 
@@ -235,6 +240,7 @@ def _kda_decode_fused(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDAL
         H,
         d**-0.5,
         eps,
+        layer.lower,
         D=d,
         KW=KW,
         BKW=triton.next_power_of_2(KW),

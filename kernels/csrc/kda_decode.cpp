@@ -29,7 +29,7 @@ using k3::W;
 
 struct Head {  // one (sequence, head) task: its weights, its state, its scratch
   int64_t d, P, h, K;
-  float a, eps;            // a = exp(A_log[h])
+  float a, eps, lower;     // a = exp(A_log[h]); lower: the gate's form (kda.py's kda_gate), 0 softplus, < 0 K3's
   const float* wt;         // conv taps [K][3d] fp32, this head's channels
   const float* dt_bias;    // [P]
   const float* o_norm;     // [d]
@@ -86,10 +86,14 @@ float prepare(Head& s, const T* qkv, int64_t qkv_stride, T* conv, int64_t conv_r
     s.k[j] *= ks;
     s.g[j] += s.dt_bias[s.h * d + j];
   }
-  const Vec twenty(20.0f), neg_a(-s.a), one(1.0f);
-  vmap(s.g, d, [&](Vec z) {  // decay = exp(-a * softplus(z)), softplus as transformers writes it
-    return (neg_a * Vec::blendv((one + z.exp()).log(), z, z > twenty)).exp();
-  });
+  const Vec one(1.0f);
+  if (s.lower < 0.0f) {  // K3: decay = exp(lower * sigmoid(a z)), never below exp(lower)
+    const Vec a(s.a), lower(s.lower);
+    vmap(s.g, d, [&](Vec z) { return (lower * (one / (one + (a * z).neg().exp()))).exp(); });
+  } else {  // Kimi-Linear: decay = exp(-a * softplus(z)), softplus as transformers writes it
+    const Vec twenty(20.0f), neg_a(-s.a);
+    vmap(s.g, d, [&](Vec z) { return (neg_a * Vec::blendv((one + z.exp()).log(), z, z > twenty)).exp(); });
+  }
   vmap(s.x, d, [&](Vec z) { return one / (one + z.neg().exp()); });
   return 1.0f / (1.0f + std::exp(-static_cast<float>(beta_raw[s.h])));
 }
@@ -207,7 +211,7 @@ void finish(Head& s, T* out) {  // gated RMSNorm of o into the output row
 // state [B, H, d, d] fp32. Returns [B, T, P].
 at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                    const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
-                   const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, at::Tensor& state) {
+                   const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, at::Tensor& state) {
   const int64_t B = qkv.size(0), T = qkv.size(1), P = qkv.size(3), H = beta_raw.size(-1), d = P / H;
   const int64_t K = conv_w.size(-1);
   TORCH_CHECK(qkv.stride(3) == 1 && qkv.stride(2) == P, "kda: qkv tokens must be [3, P] contiguous");
@@ -237,8 +241,8 @@ at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tens
             for (int64_t t = 0; t < K; ++t)
               wt[t * 3 * d + i * d + j] = static_cast<float>(w_p[(i * P + h * d + j) * K + t]);
         float* f = buf.data();
-        Head s{d, P, h, K, std::exp(alog.data_ptr<float>()[h]), static_cast<float>(eps), wt.data(),
-               dt.data_ptr<float>(), onorm.data_ptr<float>(), state.data_ptr<float>() + (b * H + h) * d * d,
+        Head s{d, P, h, K, std::exp(alog.data_ptr<float>()[h]), static_cast<float>(eps), static_cast<float>(lower),
+               wt.data(), dt.data_ptr<float>(), onorm.data_ptr<float>(), state.data_ptr<float>() + (b * H + h) * d * d,
                f, f + d, f + 2 * d, f + 3 * d, f + 4 * d, f + 6 * d, f + 7 * d, f + 8 * d, f + 9 * d};
         for (int64_t t = 0; t < T; ++t) {
           const float beta = prepare<T_>(s, qkv_p + b * qkv.stride(0) + t * qkv.stride(1), qkv.stride(2),
@@ -257,16 +261,17 @@ at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tens
 
 at::Tensor kda_decode(const at::Tensor& qkv, at::Tensor conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                       const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
-                      const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, at::Tensor state) {
+                      const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, at::Tensor state) {
   return kda_run(qkv.unsqueeze(1), conv_state, conv_w, g_raw.unsqueeze(1), beta_raw.unsqueeze(1), gate.unsqueeze(1),
-                 A_log, dt_bias, o_norm, eps, state)
+                 A_log, dt_bias, o_norm, eps, lower, state)
       .squeeze(1);
 }
 
 at::Tensor kda_prefill(const at::Tensor& qkv, at::Tensor conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                        const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
-                       const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, at::Tensor state) {
-  return kda_run(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state);
+                       const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower,
+                       at::Tensor state) {
+  return kda_run(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, lower, state);
 }
 
 }  // namespace
@@ -274,10 +279,10 @@ at::Tensor kda_prefill(const at::Tensor& qkv, at::Tensor conv_state, const at::T
 TORCH_LIBRARY_FRAGMENT(k3dist, m) {
   m.def(
       "kda_decode(Tensor qkv, Tensor(a!) conv_state, Tensor conv_w, Tensor g_raw, Tensor beta_raw, Tensor gate, "
-      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, Tensor(b!) state) -> Tensor");
+      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, float lower, Tensor(b!) state) -> Tensor");
   m.def(
       "kda_prefill(Tensor qkv, Tensor(a!) conv_state, Tensor conv_w, Tensor g_raw, Tensor beta_raw, Tensor gate, "
-      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, Tensor(b!) state) -> Tensor");
+      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, float lower, Tensor(b!) state) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(k3dist, CPU, m) {

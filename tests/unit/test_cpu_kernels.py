@@ -18,11 +18,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _core(op, a: dict):
     """Call a KDA core (kda_fused's signature) on named inputs."""
-    layer = kda_fused.KDALayer(a["conv_w"], a["A_log"], a["dt_bias"], a["o_norm"], a["eps"])
+    layer = kda_fused.KDALayer(a["conv_w"], a["A_log"], a["dt_bias"], a["o_norm"], a["eps"], a["lower"])
     return op(a["qkv"], a["g_raw"], a["beta_raw"], a["gate"], a["conv_state"], a["state"], layer)
 
 
-def _kda_inputs(B, H, d, K, dtype, seed=0):
+def _kda_inputs(B, H, d, K, dtype, seed=0, lower=0.0):
     g = torch.Generator().manual_seed(seed)
     P = H * d
     rand = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
@@ -38,6 +38,7 @@ def _kda_inputs(B, H, d, K, dtype, seed=0):
         dt_bias=rand(P, scale=0.1),
         o_norm=(torch.rand(d, generator=g) + 0.5).to(dtype),
         eps=1e-5,
+        lower=lower,
         state=rand(B, H, d, d, scale=0.1),
     )
 
@@ -56,7 +57,21 @@ def test_kda_decode_equals_the_reference(B, H, d, K, dtype):
         assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-5 * ref_in["state"].abs().max().item()
 
 
-def _kda_prefill_inputs(B, T, H, d, K, dtype, seed=0):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, H, d, K", [(1, 8, 128, 4), (3, 4, 16, 3), (2, 3, 20, 1)])
+def test_kda_decode_with_k3s_gate_equals_the_reference(B, H, d, K, dtype):
+    """K3's lower-bounded forget gate (lower = -5) reaches the op: its outputs and states are the reference's."""
+    ref_in, got_in = (_kda_inputs(B, H, d, K, dtype, lower=-5.0) for _ in range(2))
+    for _ in range(3):
+        ref = _core(kda_fused.kda_decode_fused, ref_in)
+        got = _core(cpu_ops.kda_decode, got_in)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+        assert torch.equal(got_in["conv_state"], ref_in["conv_state"])
+        assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-5 * ref_in["state"].abs().max().item()
+
+
+def _kda_prefill_inputs(B, T, H, d, K, dtype, seed=0, lower=0.0):
     g = torch.Generator().manual_seed(seed)
     P = H * d
     rand = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
@@ -72,6 +87,7 @@ def _kda_prefill_inputs(B, T, H, d, K, dtype, seed=0):
         dt_bias=rand(P, scale=0.1),
         o_norm=(torch.rand(d, generator=g) + 0.5).to(dtype),
         eps=1e-5,
+        lower=lower,
         state=rand(B, H, d, d, scale=0.1),
     )
 
@@ -82,13 +98,13 @@ def _tokens(args: dict, a: int, b: int, one: bool = False) -> dict:
     return {n: pick(v) if n in ("qkv", "g_raw", "beta_raw", "gate") else v for n, v in args.items()}
 
 
-def _chunked_reference(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, state):
+def _chunked_reference(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, lower, state):
     """The model's torch prefill (conv, gate, the chunked delta rule, gated norm), as KDA.prefill runs it."""
     n, T, _, P = qkv.shape
     heads = (n, T, beta_raw.shape[-1], P // beta_raw.shape[-1])
     q, k, v = (causal_conv_prefill(qkv[:, :, i], conv_w[i], conv_state[:, :, i]).view(heads) for i in range(3))
     o = kda.kda_prefill(
-        q.float(), k, v, kda.kda_gate(g_raw.view(heads), A_log, dt_bias), beta_raw.float().sigmoid(), state
+        q.float(), k, v, kda.kda_gate(g_raw.view(heads), A_log, dt_bias, lower), beta_raw.float().sigmoid(), state
     )
     return gated_rmsnorm(o, gate.view(heads), o_norm, eps).to(qkv.dtype).reshape(n, T, -1)
 
@@ -115,6 +131,18 @@ def test_kda_prefill_equals_the_chunked_reference(B, T, H, d, K, dtype):
     ref, got = _chunked_reference(**ref_in), _core(cpu_ops.kda_prefill, got_in)
     assert got.dtype == ref.dtype and got.shape == ref.shape
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: last-bit differences in a few outputs
+    assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+    assert torch.equal(got_in["conv_state"], ref_in["conv_state"])
+    assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-4 * ref_in["state"].abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, d, K", [(1, 40, 8, 128, 4), (2, 23, 3, 20, 3)])
+def test_kda_prefill_with_k3s_gate_equals_the_chunked_reference(B, T, H, d, K, dtype):
+    """A multi-token prefill with K3's gate (lower = -5): the chunked reference's outputs and states."""
+    ref_in, got_in = (_kda_prefill_inputs(B, T, H, d, K, dtype, lower=-5.0) for _ in range(2))
+    ref, got = _chunked_reference(**ref_in), _core(cpu_ops.kda_prefill, got_in)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
     assert torch.equal(got_in["conv_state"], ref_in["conv_state"])
     assert (got_in["state"] - ref_in["state"]).abs().max().item() <= 1e-4 * ref_in["state"].abs().max().item()

@@ -90,6 +90,22 @@ def test_kda_gate_matches_transformers_forget_gate():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_kda_gate_k3_form_is_the_bounded_sigmoid():
+    """lower < 0: g = lower * sigmoid(exp(A_log) (g_raw + dt_bias)), K3's formula written here in float64 on the same
+    fp32 inputs; every g in [lower, 0], saturating at both ends."""
+    H, d, lower = 4, 8, -5.0
+    gen = torch.Generator().manual_seed(8)
+    A_log, dt_bias = (x.float() for x in _gate_params(gen, H, d))
+    g_raw = (10.0 * _randn(gen, 3, 7, H, d)).float()  # |A z| from ~0 to ~500: both ends of the sigmoid
+    got = kda.kda_gate(g_raw, A_log, dt_bias, lower)
+    z = g_raw.double() + dt_bias.double().view(H, d)
+    want = lower / (1.0 + torch.exp(-torch.exp(A_log.double()).view(H, 1) * z))
+    assert got.dtype == torch.float32 and got.shape == g_raw.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert (got >= lower).all() and (got <= 0).all()
+    assert (got == lower).any() and (got > -1e-6).any()
+
+
 @pytest.mark.parametrize(
     "B,T,H,d,chunk",
     [(2, 1, 2, 8, 64), (1, 63, 2, 16, 64), (2, 64, 1, 16, 64), (1, 130, 2, 16, 64), (2, 130, 2, 8, 16)],

@@ -88,17 +88,17 @@ def _kda_inputs(B: int, H: int, d: int, K: int, dtype: torch.dtype, seed: int = 
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _kda(op, a: list, **kw):
+def _kda(op, a: list, lower: float = 0.0, **kw):
     """Call a KDA core (kda_fused's signature) on _kda_inputs' list: qkv, conv_state, conv_w, g_raw, beta_raw, gate,
-    A_log, dt_bias, o_norm, eps, state."""
-    return op(a[0], a[3], a[4], a[5], a[1], a[10], KDALayer(a[2], a[6], a[7], a[8], a[9]), **kw)
+    A_log, dt_bias, o_norm, eps, state; `lower` the layer's forget-gate form."""
+    return op(a[0], a[3], a[4], a[5], a[1], a[10], KDALayer(a[2], a[6], a[7], a[8], a[9], lower), **kw)
 
 
 def _clone(args: list) -> list:
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _kda_steps(B, H, d, K, dtype, steps, block_v=None, device=DEV) -> list[float]:
+def _kda_steps(B, H, d, K, dtype, steps, block_v=None, device=DEV, lower=0.0) -> list[float]:
     """`steps` decode steps on both sides, new tokens each step, states carried; returns the relative max errors."""
     want_args = _kda_inputs(B, H, d, K, dtype, device=device)
     got_args = _clone(want_args)
@@ -110,8 +110,8 @@ def _kda_steps(B, H, d, K, dtype, steps, block_v=None, device=DEV) -> list[float
             for i, shape in ((0, (B, 3, H * d)), (3, (B, H * d)), (4, (B, H)), (5, (B, H * d))):
                 want_args[i] = torch.randn(*shape, generator=gen).to(dtype).to(device)
                 got_args[i] = want_args[i].clone()
-        want = _kda(kda_ref, want_args)
-        got = _kda(_kda_decode_fused, got_args, block_v=block_v)
+        want = _kda(kda_ref, want_args, lower)
+        got = _kda(_kda_decode_fused, got_args, lower, block_v=block_v)
         errs.append(_check(got, want, TOL[dtype][0], f"out step {step}", mean_rel=TOL[dtype][1]))
         errs.append(_check(got_args[-1], want_args[-1], _state_tol(dtype, device), f"state step {step}"))
         torch.testing.assert_close(got_args[1], want_args[1], rtol=0, atol=0)  # conv state: the inputs, shifted
@@ -138,6 +138,12 @@ def test_kda_matches_reference_over_steps(B, H, d, K, dtype):
 def test_kda_value_blocks_walk_the_state(block_v):
     """Narrow value blocks (4 and 2 of them for d = 32) give the reference's output and state."""
     _kda_steps(2, 2, 32, 4, torch.float32, steps=2, block_v=block_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_k3s_gate_matches_reference(dtype):
+    """K3's lower-bounded forget gate (lower = -5) over steps, the state walked in two value blocks."""
+    _kda_steps(2, 2, 32, 4, dtype, steps=2, block_v=16, lower=-5.0)
 
 
 def test_kda_strided_views_are_read_and_updated_in_place():
@@ -176,9 +182,10 @@ def test_kda_strided_views_are_read_and_updated_in_place():
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B", [1, 8, 64])
-def test_kda_real_shapes_cuda(B, dtype):
-    """Per-rank heads 8, d = 128, K = 4, 4 steps carrying the states."""
-    _kda_steps(B, 8, 128, 4, dtype, steps=4, device=torch.device("cuda"))
+@pytest.mark.parametrize("lower", [0.0, -5.0])
+def test_kda_real_shapes_cuda(B, dtype, lower):
+    """Per-rank heads 8, d = 128, K = 4, 4 steps carrying the states; both forget-gate forms."""
+    _kda_steps(B, 8, 128, 4, dtype, steps=4, device=torch.device("cuda"), lower=lower)
 
 
 # ---------------------------------------------------------------- MLA
