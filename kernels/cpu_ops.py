@@ -141,7 +141,9 @@ def available() -> bool:
 def _kda_op(op, inputs: tuple, conv_state, state, layer: KDALayer):
     """The C++ ops take the layer's constants one by one, in their schema's order."""
     (qkv, g_raw, beta_raw, gate), L = inputs, layer
-    return op(qkv, conv_state, L.conv_w, g_raw, beta_raw, gate, L.A_log, L.dt_bias, L.o_norm, L.eps, L.lower, state)
+    return op(
+        qkv, conv_state, L.conv_w, g_raw, beta_raw, gate, L.A_log, L.dt_bias, L.o_norm, L.eps, L.lower, L.l2_eps, state
+    )
 
 
 def kda_decode(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDALayer):

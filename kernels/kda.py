@@ -1,8 +1,8 @@
 """Kimi Delta Attention (KDA): gated delta rule with per-channel decay, plain torch.
 
-Inputs are q, k, v after the short conv + SiLU; the kernel l2-normalises q and k itself (eps 1e-6) and scales q by
-d**-0.5, like fla's `use_qk_l2norm_in_kernel=True`. The recurrent state S[b, h, k, v] is key-major and decays along
-the key dim before each delta write:
+Inputs are q, k, v after the short conv + SiLU; the kernel l2-normalises q and k itself (eps `l2_eps`: 1e-6, fla's)
+and scales q by d**-0.5, like fla's `use_qk_l2norm_in_kernel=True`. The recurrent state S[b, h, k, v] is key-major
+and decays along the key dim before each delta write:
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
 
@@ -11,6 +11,8 @@ All math runs in the state's dtype (fp32 in the model); outputs are cast back to
 
 import torch
 from torch import Tensor
+
+L2_EPS = 1e-6  # inside q's and k's l2 norm: fla's (Kimi-Linear); K3 runs rms_norm_eps, as llama.cpp's port does
 
 
 def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor, lower: float = 0.0) -> Tensor:
@@ -31,21 +33,23 @@ def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor, lower: float = 0.0) 
     return -a * softplus
 
 
-def _norm_qk(q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _norm_qk(q: Tensor, k: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, Tensor]:
     """l2norm over the last dim with eps inside the sqrt (fla's form), then q * d**-0.5."""
     q, k = q.to(dtype), k.to(dtype)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + eps)
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + eps)
     return q * q.shape[-1] ** -0.5, k
 
 
-def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+def kda_decode_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, l2_eps: float = L2_EPS
+) -> Tensor:
     """One token per sequence. q, k, v, g: [B, H, d]; beta: [B, H]; state: [B, H, d, d], updated in place.
 
     Returns o: [B, H, d] in q's dtype, read from the updated state.
     """
     out_dtype, dtype = q.dtype, state.dtype
-    q, k = _norm_qk(q, k, dtype)
+    q, k = _norm_qk(q, k, dtype, l2_eps)
     state.mul_(g.to(dtype).exp().unsqueeze(-1))
     u = beta.to(dtype).unsqueeze(-1) * (v.to(dtype) - torch.einsum("bhk,bhkv->bhv", k, state))
     state.add_(k.unsqueeze(-1) * u.unsqueeze(-2))
@@ -56,7 +60,14 @@ CHUNK = 16  # tokens per chunk of the chunked form (the memory plan sizes its de
 
 
 def kda_prefill(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = CHUNK
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    chunk_size: int = CHUNK,
+    l2_eps: float = L2_EPS,
 ) -> Tensor:
     """Chunked (WY) form of the recurrence; equals `kda_decode_step` applied token by token.
 
@@ -66,7 +77,7 @@ def kda_prefill(
     tensors stay cache-sized, where a whole batch's would spill to memory (4 sequences took 10x one, not 4x).
     """
     out_dtype, dtype = q.dtype, state.dtype
-    q, k = _norm_qk(q, k, dtype)
+    q, k = _norm_qk(q, k, dtype, l2_eps)
     q, k, v, g = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g))  # [B, H, T, d]
     beta = beta.to(dtype).transpose(1, 2)  # [B, H, T]
     out = torch.empty_like(v)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .conv import causal_conv_step
-from .kda import kda_gate
+from .kda import L2_EPS, kda_gate
 from .norm import gated_rmsnorm
 
 
@@ -27,6 +27,7 @@ class KDALayer:
     o_norm: Tensor
     eps: float
     lower: float = 0.0
+    l2_eps: float = L2_EPS  # inside q's and k's l2 norm (kda.py)
 
 
 def kda_decode_fused(qkv: Tensor, g_raw: Tensor, beta_raw: Tensor, gate: Tensor, conv_state, state, layer: KDALayer):
@@ -47,8 +48,8 @@ def kda_decode_fused(qkv: Tensor, g_raw: Tensor, beta_raw: Tensor, gate: Tensor,
     mixed = causal_conv_step(qkv.reshape(B, 3 * P), conv_w.reshape(3 * P, -1), conv_state.view(B, K1, 3 * P))
     q, k, v = mixed.float().view(B, 3, H, d).unbind(1)
     # l2norm (eps inside the sqrt) and the q scale, gate and beta in fp32 (kda.py)
-    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d**-0.5)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + layer.l2_eps) * d**-0.5)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + layer.l2_eps)
     g = kda_gate(g_raw.view(B, H, d), A_log, dt_bias, layer.lower)
     beta = beta_raw.float().sigmoid().unsqueeze(-1)
     # delta rule on the key-major state: decay, write beta * (v - S^T k) along k, read S^T q

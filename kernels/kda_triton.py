@@ -99,6 +99,7 @@ def _kda_decode_kernel(
     scale,
     eps,
     lower,
+    l2_eps,
     D: tl.constexpr,
     KW: tl.constexpr,
     BKW: tl.constexpr,
@@ -120,8 +121,8 @@ def _kda_decode_kernel(
         x_row + s_qkv_i, s_qkv_p, cs_row + s_cs_i, s_cs_p, s_cs_k, cw_ptr + s_cw_i, s_cw_p, s_cw_k, ch_k, mk, KW
     )
     # l2norm with eps inside the sqrt (a division, like the reference), then q * d**-0.5
-    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps)
 
     # forget gate in the layer's form (kda.kda_gate), z = g_raw + dt_bias, a = exp(A_log); decay = exp(g)
     z = tl.load(graw_ptr + b * s_graw_b + ch_k * s_graw_p, mask=mk, other=0.0).to(tl.float32)
@@ -241,6 +242,7 @@ def _kda_decode_fused(qkv, g_raw, beta_raw, gate, conv_state, state, layer: KDAL
         d**-0.5,
         eps,
         layer.lower,
+        layer.l2_eps,
         D=d,
         KW=KW,
         BKW=triton.next_power_of_2(KW),

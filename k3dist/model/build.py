@@ -13,8 +13,9 @@ from .cache import HybridCache
 from .decoder import DecoderLayer, K3Model
 from .experts import DenseExperts, experts_dense
 from .kinds import BuildOptions, build_kind
-from .layers import Binding
+from .layers import Binding, activation_of
 from .linear import Int8Linear, Linear, widened
+from .residuals import BlockResiduals, folded
 from .tp import TPComm
 
 
@@ -31,7 +32,8 @@ def choices(
 ) -> "Choices":
     """`widen` and `dense` for a model of `batch` slots whose kernels are the CPU ops (`cpu_ops`) or not: the rule the
     run plan decides by (run/plan.py), and the one tests and benchmarks that build without a plan take."""
-    return Choices(widen=widened(dtype, device), dense=experts_dense(cfg, batch, pack, moe_block=cpu_ops))
+    dense = experts_dense(cfg, batch, pack, moe_block=cpu_ops) and not cfg.latent_size  # K3: stacked or packed
+    return Choices(widen=widened(dtype, device), dense=dense)
 
 
 def build_model(
@@ -73,8 +75,10 @@ def build_model(
             return tuple(make(part) for part in weight.unbind(0))
         return make(weight)
 
-    bind = Binding(w, lin, cfg, comm, kernels, dtype, widen)
+    bind = Binding(w, lin, cfg, comm, kernels, dtype, widen, activation_of(cfg))
     layers, options = [], BuildOptions(router_weights == "biased", dense_experts)
+    block = cfg.attn_res_block_size  # K3's block attention residuals (residuals.py); 0: a plain residual stream
+    site = lambda name: folded(w(name + "_res_norm.weight"), w(name + "_res_proj.weight"))  # noqa: E731
     for spec in cfg.layers:
         p = f"model.layers.{spec.index}."
         mixer, mlp = (
@@ -82,6 +86,14 @@ def build_model(
             for kind in kinds_of(spec)
         )
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
-        layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps))
+        sites = (
+            BlockResiduals(site(p + "self_attention"), site(p + "mlp"), spec.index % block == 0, cfg.rms_norm_eps)
+            if block
+            else None
+        )
+        layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps, sites))
     embed, norm, head = w("model.embed_tokens.weight"), w("model.norm.weight"), lin("lm_head.weight")
-    return K3Model(cfg, embed=embed, layers=layers, norm=norm, head=head, comm=comm, kernels=kernels)
+    out_score = site("model.output_attn") if block else None
+    return K3Model(
+        cfg, embed=embed, layers=layers, norm=norm, head=head, comm=comm, kernels=kernels, out_score=out_score
+    )

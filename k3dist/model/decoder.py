@@ -1,4 +1,5 @@
-"""The K3 decoder over one rank's weight store (docs/model.md): embedding, decoder layers, final norm, LM head.
+"""The decoder over one rank's weight store (docs/model.md): embedding, decoder layers, final norm, LM head; the
+residual stream plain (Kimi-Linear) or with K3's block attention residuals (residuals.py).
 
 Vocab-parallel embedding (masked lookup + all-reduce) and LM head (local logits; the caller gathers what it needs).
 Two entry points with the cache each layer owns: `prefill` (chunks of prompt tokens into chosen slots) and `decode`
@@ -13,28 +14,54 @@ from torch import Tensor
 from ..base.threads import ThreadGovernor
 from ..config import LayerSpec
 from .layers import rmsnorm
+from .residuals import BlockResiduals, mix
 
 
 class DecoderLayer:
-    """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h)); or, with K3's block attention residuals
+    (`residuals`), the same over the stream and its bank of snapshots (residuals.py)."""
 
-    def __init__(self, spec: LayerSpec, mixer, mlp, norm_in: Tensor, norm_post: Tensor, eps: float):
+    def __init__(
+        self,
+        spec: LayerSpec,
+        mixer,
+        mlp,
+        norm_in: Tensor,
+        norm_post: Tensor,
+        eps: float,
+        residuals: BlockResiduals | None = None,
+    ):
         self.spec, self.mixer, self.mlp = spec, mixer, mlp
-        self.norm_in, self.norm_post, self.eps = norm_in, norm_post, eps
+        self.norm_in, self.norm_post, self.eps, self.residuals = norm_in, norm_post, eps, residuals
 
-    def prefill(self, h: Tensor, slots: Tensor, start: int, dtype: torch.dtype) -> Tensor:
-        h = h + self.mixer.prefill(rmsnorm(h, self.norm_in, self.eps).to(dtype), slots, start)
-        return h + self.mlp.prefill(rmsnorm(h, self.norm_post, self.eps))
+    def _run(self, h, mixer, mlp, dtype: torch.dtype):
+        if self.residuals is not None:
+            return self.residuals.layer(h, mixer, mlp, self.norm_in, self.norm_post, dtype)
+        h = h + mixer(rmsnorm(h, self.norm_in, self.eps).to(dtype))
+        return h + mlp(rmsnorm(h, self.norm_post, self.eps))
 
-    def decode(self, h: Tensor, positions: Tensor, dtype: torch.dtype, rows: int | None = None) -> Tensor:
-        x = rmsnorm(h, self.norm_in, self.eps).to(dtype)
-        h = h + self.mixer.decode(x, positions, rows)
-        return h + self.mlp.decode(rmsnorm(h, self.norm_post, self.eps))
+    def prefill(self, h, slots: Tensor, start: int, dtype: torch.dtype):
+        return self._run(h, lambda x: self.mixer.prefill(x, slots, start), self.mlp.prefill, dtype)
+
+    def decode(self, h, positions: Tensor, dtype: torch.dtype, rows: int | None = None):
+        return self._run(h, lambda x: self.mixer.decode(x, positions, rows), self.mlp.decode, dtype)
 
 
 class K3Model:
-    def __init__(self, cfg, *, embed: Tensor, layers: list[DecoderLayer], norm: Tensor, head: Tensor, comm, kernels):
-        self.cfg, self.comm, self.kernels = cfg, comm, kernels
+    def __init__(
+        self,
+        cfg,
+        *,
+        embed: Tensor,
+        layers: list[DecoderLayer],
+        norm: Tensor,
+        head: Tensor,
+        comm,
+        kernels,
+        out_score: Tensor | None = None,
+    ):
+        """`out_score`: K3's mixing site before the final norm (residuals.py); None: a plain residual stream."""
+        self.cfg, self.comm, self.kernels, self.out_score = cfg, comm, kernels, out_score
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head  # [V_local, D]; head: a Linear
         self.dtype = embed.dtype
         self.threads = ThreadGovernor(torch.get_num_threads()) if embed.device.type == "cpu" else None
@@ -72,10 +99,21 @@ class K3Model:
         them into logits a few rows at a time (engine/prompt_logprobs.py)."""
         if self.threads is not None:
             self.threads.prefill()
-        h = self.embed_tokens(tokens)
+        h = self._begin(self.embed_tokens(tokens))
         for layer in self.layers:
             h = layer.prefill(h, slots, start, self.dtype)
-        return h
+        return self._end(h)
+
+    def _begin(self, h: Tensor):
+        """The stream the layers pass on: the hidden states, or K3's (stream, empty bank)."""
+        return h if self.out_score is None else (h, ())
+
+    def _end(self, h) -> Tensor:
+        """The final norm's input: the hidden states, or K3's mixture at its output site."""
+        if self.out_score is None:
+            return h
+        p, bank = h
+        return mix(p, bank, self.out_score, self.cfg.rms_norm_eps)
 
     def decode(self, tokens: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
         """The static step's model part: tokens [B] at positions [B] (device tensors) -> logits [B, V_local].
@@ -86,7 +124,7 @@ class K3Model:
         """
         if self.threads is not None and not torch.compiler.is_compiling():
             self.threads.tick()
-        h = self.embed_tokens(tokens)
+        h = self._begin(self.embed_tokens(tokens))
         for layer in self.layers:
             h = layer.decode(h, positions, self.dtype, rows)
-        return self.logits(h)
+        return self.logits(self._end(h))

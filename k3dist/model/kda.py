@@ -1,14 +1,21 @@
 """KDA token mixer (docs/model.md) over this rank's heads; owns its slots' conv and recurrent state.
 
-One fused projection reads the normed input for q, k, v, the two low-rank gate inputs and beta; decode hands the
-rest to the backend's fused kernel, prefill to the backend's prefill kernel where it has one (the CPU ops: the decode
+One fused projection reads the normed input for q, k, v, the low-rank gate inputs and beta; decode hands the rest
+to the backend's fused kernel, prefill to the backend's prefill kernel where it has one (the CPU ops: the decode
 update token by token) or else the chunked reference. o_proj is row-parallel: one all-reduce.
+
+Kimi K3's KDA differs in three values, all decided by its config: the forget gate is lower-bounded (`lower` =
+gate_lower_bound * sigmoid(...) instead of -exp(A_log) softplus(...): kernels/kda.py), and the output gate is a
+full-rank `g_proj` [P, D] instead of the low-rank g_b(g_a(x)); and its q and k l2 norms take the config's
+rms_norm_eps where Kimi-Linear's take fla's 1e-6, as llama.cpp's port (the reference) does: at 1e-6 the K3 twin's
+logits move up to 4.6e-4 of their largest from llama.cpp's over a 520-token prompt, at rms_norm_eps 3e-5. K3 stores
+A_log padded to 128 entries and replicated; each rank takes its own heads' entries.
 """
 
 from torch import Tensor
 
 from ..kernels.conv import causal_conv_prefill
-from ..kernels.kda import kda_gate, kda_prefill
+from ..kernels.kda import L2_EPS, kda_gate, kda_prefill
 from ..kernels.kda_fused import KDALayer
 from .layers import Binding, gated_rmsnorm
 
@@ -16,19 +23,34 @@ from .layers import Binding, gated_rmsnorm
 class KDA:
     def __init__(self, b: Binding, prefix: str, conv_state: Tensor, state: Tensor):
         w, lin, cfg = b.weight, b.linear, b.cfg
-        self.in_proj = lin(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b
+        self.in_proj = lin(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b (K3: no g_a)
         self.conv_w = w(prefix + "conv1d.weight").flatten(2)  # [3, P, K]
-        self.f_b, self.g_b = lin(prefix + "fg_b_proj.weight")  # stacked [2, P, d]: one Linear each
+        self.full_rank_gate = cfg.gate_lower_bound != 0.0  # K3 (config/k3.py requires both)
+        if self.full_rank_gate:
+            (self.f_b,) = lin(prefix + "fg_b_proj.weight")  # stacked [1, P, d]
+            self.g_proj = lin(prefix + "g_proj.weight")  # [P, D]
+        else:
+            self.f_b, self.g_b = lin(prefix + "fg_b_proj.weight")  # stacked [2, P, d]: one Linear each
         self.o_proj, self.o_norm = lin(prefix + "o_proj.weight"), w(prefix + "o_norm.weight")
-        self.A_log, self.dt_bias = w(prefix + "A_log").view(-1), w(prefix + "dt_bias")
-        self.heads, self.d = self.A_log.numel(), cfg.kda_head_dim
+        self.heads, self.d = cfg.kda_heads // b.comm.world, cfg.kda_head_dim
+        A_log = w(prefix + "A_log").view(-1)
+        if A_log.numel() != self.heads:  # K3's padded [128], replicated: this rank's heads
+            A_log = A_log[b.comm.rank * self.heads : (b.comm.rank + 1) * self.heads]
+        self.A_log, self.dt_bias = A_log, w(prefix + "dt_bias")
         P = self.heads * self.d
-        self.split = (3 * P, self.d, self.d, self.heads)
+        gate_a = () if self.full_rank_gate else (self.d,)
+        self.split = (3 * P, self.d, *gate_a, self.heads)
         self.eps, self.comm, self.kernels = cfg.rms_norm_eps, b.comm, b.kernels
-        self.layer = KDALayer(self.conv_w, self.A_log, self.dt_bias, self.o_norm, self.eps)
+        self.lower = cfg.gate_lower_bound
+        self.l2_eps = self.eps if self.full_rank_gate else L2_EPS  # K3: llama.cpp's port (docs/k3.md, "Epsilons")
+        self.layer = KDALayer(self.conv_w, self.A_log, self.dt_bias, self.o_norm, self.eps, self.lower, self.l2_eps)
         self.conv_state, self.state = conv_state, state  # [B, K-1, 3, P], [B, H, d, d] fp32
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(pre-conv q, k, v; the forget gate's input; beta before its sigmoid; the output gate before its sigmoid)"""
+        if self.full_rank_gate:
+            qkv, f_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
+            return qkv, self.f_b(f_a), beta_raw, self.g_proj(x)
         qkv, f_a, g_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
         return qkv, self.f_b(f_a), beta_raw, self.g_b(g_a)
 
@@ -62,8 +84,9 @@ class KDA:
             for i, p in enumerate(qkv.chunk(3, dim=-1))
         )
         self.conv_state.index_copy_(0, slots, conv)
-        g = kda_gate(g_raw.view(heads), self.A_log, self.dt_bias)
-        o = kda_prefill(q.float(), k, v, g, beta_raw.float().sigmoid(), state)  # fp32 q: unrounded into the norm
+        g = kda_gate(g_raw.view(heads), self.A_log, self.dt_bias, self.lower)
+        beta = beta_raw.float().sigmoid()
+        o = kda_prefill(q.float(), k, v, g, beta, state, l2_eps=self.l2_eps)  # fp32 q: unrounded into the norm
         self.state.index_copy_(0, slots, state)
         o = gated_rmsnorm(o, gate.view(heads), self.o_norm, self.eps).to(x.dtype).reshape(n, T, -1)
         return self.comm.all_reduce(self.o_proj(o).float())

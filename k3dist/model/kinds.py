@@ -13,6 +13,7 @@ from ..kinds.mlps import DENSE, MOE
 from ..kinds.spec import LayerKind
 from .experts import DenseExperts
 from .kda import KDA
+from .latent_moe import LatentMoE
 from .layers import Binding
 from .mla import MLA
 from .moe import DenseMLP, MoE
@@ -32,8 +33,10 @@ BUILDERS: dict[str, Builder] = {
     KDA_KIND.name: lambda b, p, cache, o: KDA(b, p + "self_attn.", *cache),
     MLA_KIND.name: lambda b, p, cache, o: MLA(b, p + "self_attn.", *cache),
     DENSE.name: lambda b, p, cache, o: DenseMLP(b, p + "mlp."),
-    MOE.name: lambda b, p, cache, o: MoE(
-        b, p + "block_sparse_moe.", biased=o.biased, dense=o.dense_experts(p + "block_sparse_moe.")
+    MOE.name: lambda b, p, cache, o: (
+        LatentMoE(b, p + "block_sparse_moe.", biased=o.biased)
+        if b.cfg.latent_size  # K3's experts work in a latent
+        else MoE(b, p + "block_sparse_moe.", biased=o.biased, dense=o.dense_experts(p + "block_sparse_moe."))
     ),
 }
 

@@ -4,6 +4,11 @@ One fused projection gives q and the latent input. Prefill expands the latent th
 attention; decode writes each slot's row at its own position and attends in the absorbed form (q folded through
 kv_b_proj's key rows, the latent context through its value rows), so the cache is never expanded. On the CPU a short
 piece after a past (a chat turn's rest) attends in the absorbed form too.
+
+Kimi K3's MLA adds two parts, both from its config: a low-rank query (q_a_proj, an RMSNorm, then q_b_proj by head)
+where Kimi-Linear has one q_proj, and an output gate, sigmoid(g_proj x) on the same normed input, multiplying the
+heads' outputs before o_proj. Its two low-rank norms take the config's rms_norm_eps, as llama.cpp's port (the
+reference) does, where Kimi-Linear's kv_a_layernorm takes KimiRMSNorm's default 1e-6.
 """
 
 import torch
@@ -14,22 +19,27 @@ from ..kernels.mla import attend_blocks, mla_prefill
 from ..kinds.mla import KEY_BLOCK  # CPU prefill expands the cached latent this many positions at a time
 from .layers import Binding, rmsnorm
 
-LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (HF remote code, transformers), not rms_norm_eps
+LATENT_EPS = 1e-5  # kv_a_layernorm, K3's q_a_layernorm: KimiRMSNorm's default eps (transformers), not rms_norm_eps
 ABSORBED_ROWS = 48  # a piece of at most this many tokens after a past attends as decode does (MLA._absorbed)
 
 
 class MLA:
     def __init__(self, b: Binding, prefix: str, latent: Tensor):
         w, lin, cfg = b.weight, b.linear, b.cfg
-        self.q_kv_a = lin(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D]
+        self.q_kv_a = lin(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D] (K3: [r + dr, D])
+        self.q_lora = cfg.q_lora_rank > 0  # K3: q from q_b(norm(q_a x)), and an output gate
+        if self.q_lora:
+            self.q_a, self.q_b = lin(prefix + "q_a_proj.weight"), lin(prefix + "q_b_proj.weight")
+            self.q_norm, self.g_proj = w(prefix + "q_a_layernorm.weight"), lin(prefix + "g_proj.weight")
         self.kv_norm = w(prefix + "kv_a_layernorm.weight")
+        self.lora_eps = cfg.rms_norm_eps if self.q_lora else LATENT_EPS  # K3: llama.cpp's port, the reference
         self.wkvb = w(prefix + "kv_b_proj.weight")  # [H * (dn + dv), r]
         self.o_proj = lin(prefix + "o_proj.weight")
         self.dn, self.dr, self.dv, self.r = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.heads = self.wkvb.shape[0] // (self.dn + self.dv)  # kv_b stays plain: decode uses its per-head views
         per_head = self.wkvb.view(self.heads, self.dn + self.dv, self.r)
         self.w_kb, self.w_vb = per_head[:, : self.dn], per_head[:, self.dn :]  # views: no derived bytes
-        self.q_rows = self.heads * (self.dn + self.dr)
+        self.q_rows = 0 if self.q_lora else self.heads * (self.dn + self.dr)
         self.scale = (self.dn + self.dr) ** -0.5
         self.comm, self.kernels = b.comm, b.kernels
         self.latent = latent  # [B, cap, r + dr]
@@ -37,8 +47,16 @@ class MLA:
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [..., D] -> q [..., H, dn + dr] and the cache row [..., r + dr] (normed latent, raw k_pe)."""
         q, ckv = self.q_kv_a(x).split((self.q_rows, self.r + self.dr), dim=-1)
-        row = torch.cat([rmsnorm(ckv[..., : self.r], self.kv_norm, LATENT_EPS), ckv[..., self.r :]], dim=-1)
+        if self.q_lora:
+            q = self.q_b(rmsnorm(self.q_a(x), self.q_norm, self.lora_eps))
+        row = torch.cat([rmsnorm(ckv[..., : self.r], self.kv_norm, self.lora_eps), ckv[..., self.r :]], dim=-1)
         return q.unflatten(-1, (self.heads, -1)), row
+
+    def _out(self, o: Tensor, x: Tensor) -> Tensor:
+        """The heads' outputs [..., H * dv] through o_proj (K3: times the output gate first), summed over ranks."""
+        if self.q_lora:
+            o = (o.float() * self.g_proj(x).float().sigmoid()).to(o.dtype)
+        return self.comm.all_reduce(self.o_proj(o).float())
 
     def decode(self, x: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
         """x: [n, D] normed, for the first n slots; positions: [n] where each slot's token goes (a device tensor).
@@ -51,11 +69,11 @@ class MLA:
         latent = self.latent[:B] if rows is None else self.latent[:B, :rows]
         if self.kernels.mla_absorbed is not None:  # the CPU ops: the rest as one op
             o = self.kernels.mla_absorbed(q.contiguous(), latent, positions + 1, self.w_kb, self.w_vb, self.scale)
-            return self.comm.all_reduce(self.o_proj(o).float())
+            return self._out(o, x)
         q_abs = torch.bmm(q[..., : self.dn].transpose(0, 1), self.w_kb).transpose(0, 1)  # per head: q_nope W_kb
         ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], latent, positions + 1, self.scale)
         o = torch.bmm(ctx.transpose(0, 1), self.w_vb.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
-        return self.comm.all_reduce(self.o_proj(o).float())
+        return self._out(o, x)
 
     def _keys(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Cached rows [n, S, r + dr] expanded through kv_b_proj: keys [n, S, H, dn + dr], values [n, S, H, dv]."""
@@ -82,7 +100,7 @@ class MLA:
         else:
             k, v = self._keys(self.latent[slots, : start + T])
             o = mla_prefill(q, k, v, self.scale, past=start)
-        return self.comm.all_reduce(self.o_proj(o.reshape(n, T, -1)).float())
+        return self._out(o.reshape(n, T, -1), x)
 
     def _absorbed(self, q: Tensor, slots: Tensor, start: int, T: int) -> Tensor:
         """q [n, T, H, dn + dr] -> [n, T, H * dv]: each of the piece's T tokens as one decode query (the CPU op) over

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
 from .experts import ONE_OP_PREFILL, ONE_OP_TOKENS, DenseExperts
-from .layers import Binding, swiglu
+from .layers import Binding, gated_mlp
 from .linear import Linear
 
 
@@ -50,18 +50,9 @@ class MoE:
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [N, D] -> (expert ids [N, k], combination weights [N, k] fp32)."""
-        scores = F.linear(x.float(), self.gate.float()).sigmoid()
-        choice = scores + self.bias
-        if self.groups > 1:
-            grouped = choice.view(len(x), self.groups, -1)
-            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
-            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(len(x), -1)
-        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = (choice if self.biased else scores).gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scale
+        return route(
+            x, self.gate, self.bias, self.top_k, self.groups, self.topk_group, self.renormalize, self.scale, self.biased
+        )
 
     def _forward(self, x: Tensor, experts) -> Tensor:
         """x: [..., D] normed, any float dtype: the router reads it as fp32, the experts in the compute dtype."""
@@ -71,7 +62,7 @@ class MoE:
         flat = flat.to(self.dtype)
         out = experts(flat, ids, weights)
         if self.shared is not None:
-            out = out + swiglu(flat, *self.shared).float()
+            out = out + gated_mlp(flat, *self.shared).float()
         return self.comm.all_reduce(out).view(shape)
 
     def decode(self, x: Tensor) -> Tensor:
@@ -116,12 +107,43 @@ class MoE:
         return self._forward(x, self._chunk)
 
 
+def route(
+    x: Tensor,
+    gate: Tensor,
+    bias: Tensor,
+    top_k: int,
+    groups: int,
+    topk_group: int,
+    renormalize: bool,
+    scale: float,
+    biased: bool,
+    sort: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The sigmoid router: x [N, D] -> (expert ids [N, k], combination weights [N, k] fp32). The correction bias
+    chooses (within the best `topk_group` groups where there are several); the weights are the unbiased scores
+    (`biased`: the biased ones), renormalised over the k. `sort`: ids in descending order of the biased score."""
+    scores = F.linear(x.float(), gate.float()).sigmoid()
+    choice = scores + bias
+    if groups > 1:
+        grouped = choice.view(len(x), groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(len(x), -1)
+    ids = choice.topk(top_k, dim=-1, sorted=sort).indices
+    weights = (choice if biased else scores).gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scale
+
+
 class DenseMLP:
+    """A gated MLP (SwiGLU, or K3's SiTU-GLU: the binding's activation), column- then row-parallel."""
+
     def __init__(self, b: Binding, prefix: str):
         self.gate_up, self.down = b.linear(prefix + "gate_up_proj.weight"), b.linear(prefix + "down_proj.weight")
-        self.comm, self.dtype = b.comm, b.dtype
+        self.comm, self.dtype, self.act = b.comm, b.dtype, b.act
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(swiglu(x.to(self.dtype), self.gate_up, self.down).float())
+        return self.comm.all_reduce(gated_mlp(x.to(self.dtype), self.gate_up, self.down, self.act).float())
 
     decode = prefill = __call__

@@ -23,6 +23,14 @@ class TPComm:
             dist.all_reduce(x)
         return x
 
+    def gather_columns(self, local: Tensor) -> Tensor:
+        """[..., n] on every rank -> [..., world * n], rank after rank (a column-parallel output made whole)."""
+        if self.world == 1:
+            return local
+        lead = local.shape[:-1]
+        parts = self._gather(local.reshape(-1, local.shape[-1]))  # [world, N, n]
+        return parts.permute(1, 0, 2).reshape(*lead, -1)
+
     def _gather(self, local: Tensor) -> Tensor:
         """[B, n] on every rank -> [world, B, n]: one gather into a single tensor (ranks stacked along dim 0)."""
         out = local.new_empty(self.world * local.shape[0], *local.shape[1:])

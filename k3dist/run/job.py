@@ -20,7 +20,7 @@ from ..base.errors import K3Error
 from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
-from ..config import KIMI_K3, ModelConfig, load_config, validate_topology
+from ..config import ModelConfig, load_config, validate_topology
 from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
 from ..offline.summary import print_summary
@@ -147,20 +147,8 @@ def serving_text(model_dir: Path, cap: int) -> TextTools:
     return text
 
 
-def runnable_config(s: Settings) -> ModelConfig:
-    """The model config of a run that loads weights: a Kimi K3 config reads and plans (run.mode=plan), but the K3
-    model math (docs/k3.md) is not built yet, so loading one is refused here, before any file is read or written."""
-    cfg = model_config(s)
-    if cfg.variant == KIMI_K3:
-        raise K3Error(
-            f"{cfg.source}: a Kimi K3 config is read and planned (run.mode=plan), but the K3 model does not run yet: "
-            f"run.mode={s.run.mode} cannot load it"
-        )
-    return cfg
-
-
 def load_and_generate(s: Settings, rt: dist.Runtime) -> dict:
-    cfg = staged("config", rt, lambda: runnable_config(s))
+    cfg = staged("config", rt, lambda: model_config(s))
     staged("topology", rt, lambda: validate_topology(cfg, rt.world))
     model_dir = Path(s.model.path or ensure_twin(s.model.config_file, s.model.seed, cfg.dtype))
     plan = plan_run(s, cfg, rt.world, rt.device, ranks=(rt.rank,))  # every rank alike, before anything is loaded

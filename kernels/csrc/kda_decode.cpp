@@ -29,7 +29,8 @@ using k3::W;
 
 struct Head {  // one (sequence, head) task: its weights, its state, its scratch
   int64_t d, P, h, K;
-  float a, eps, lower;     // a = exp(A_log[h]); lower: the gate's form (kda.py's kda_gate), 0 softplus, < 0 K3's
+  float a, eps, lower, l2eps;  // a = exp(A_log[h]); lower: the gate's form (kda.py's kda_gate), 0 softplus, < 0 K3's;
+                              // l2eps: inside q's and k's l2 norm
   const float* wt;         // conv taps [K][3d] fp32, this head's channels
   const float* dt_bias;    // [P]
   const float* o_norm;     // [d]
@@ -77,8 +78,8 @@ float prepare(Head& s, const T* qkv, int64_t qkv_stride, T* conv, int64_t conv_r
     qq += s.q[j] * s.q[j];
     kk += s.k[j] * s.k[j];
   }
-  const float qs = (1.0f / std::sqrt(qq + 1e-6f)) * (1.0f / std::sqrt(static_cast<float>(d)));
-  const float ks = 1.0f / std::sqrt(kk + 1e-6f);
+  const float qs = (1.0f / std::sqrt(qq + s.l2eps)) * (1.0f / std::sqrt(static_cast<float>(d)));
+  const float ks = 1.0f / std::sqrt(kk + s.l2eps);
   to_float<T>(g_raw + s.h * d, s.g, d);
   to_float<T>(gate + s.h * d, s.x, d);
   for (int64_t j = 0; j < d; ++j) {
@@ -211,7 +212,7 @@ void finish(Head& s, T* out) {  // gated RMSNorm of o into the output row
 // state [B, H, d, d] fp32. Returns [B, T, P].
 at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                    const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
-                   const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, at::Tensor& state) {
+                   const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, double l2_eps, at::Tensor& state) {
   const int64_t B = qkv.size(0), T = qkv.size(1), P = qkv.size(3), H = beta_raw.size(-1), d = P / H;
   const int64_t K = conv_w.size(-1);
   TORCH_CHECK(qkv.stride(3) == 1 && qkv.stride(2) == P, "kda: qkv tokens must be [3, P] contiguous");
@@ -241,7 +242,7 @@ at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tens
             for (int64_t t = 0; t < K; ++t)
               wt[t * 3 * d + i * d + j] = static_cast<float>(w_p[(i * P + h * d + j) * K + t]);
         float* f = buf.data();
-        Head s{d, P, h, K, std::exp(alog.data_ptr<float>()[h]), static_cast<float>(eps), static_cast<float>(lower),
+        Head s{d, P, h, K, std::exp(alog.data_ptr<float>()[h]), static_cast<float>(eps), static_cast<float>(lower), static_cast<float>(l2_eps),
                wt.data(), dt.data_ptr<float>(), onorm.data_ptr<float>(), state.data_ptr<float>() + (b * H + h) * d * d,
                f, f + d, f + 2 * d, f + 3 * d, f + 4 * d, f + 6 * d, f + 7 * d, f + 8 * d, f + 9 * d};
         for (int64_t t = 0; t < T; ++t) {
@@ -261,17 +262,17 @@ at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tens
 
 at::Tensor kda_decode(const at::Tensor& qkv, at::Tensor conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                       const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
-                      const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, at::Tensor state) {
+                      const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, double l2_eps, at::Tensor state) {
   return kda_run(qkv.unsqueeze(1), conv_state, conv_w, g_raw.unsqueeze(1), beta_raw.unsqueeze(1), gate.unsqueeze(1),
-                 A_log, dt_bias, o_norm, eps, lower, state)
+                 A_log, dt_bias, o_norm, eps, lower, l2_eps, state)
       .squeeze(1);
 }
 
 at::Tensor kda_prefill(const at::Tensor& qkv, at::Tensor conv_state, const at::Tensor& conv_w, const at::Tensor& g_raw,
                        const at::Tensor& beta_raw, const at::Tensor& gate, const at::Tensor& A_log,
-                       const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower,
+                       const at::Tensor& dt_bias, const at::Tensor& o_norm, double eps, double lower, double l2_eps,
                        at::Tensor state) {
-  return kda_run(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, lower, state);
+  return kda_run(qkv, conv_state, conv_w, g_raw, beta_raw, gate, A_log, dt_bias, o_norm, eps, lower, l2_eps, state);
 }
 
 }  // namespace
@@ -279,10 +280,10 @@ at::Tensor kda_prefill(const at::Tensor& qkv, at::Tensor conv_state, const at::T
 TORCH_LIBRARY_FRAGMENT(k3dist, m) {
   m.def(
       "kda_decode(Tensor qkv, Tensor(a!) conv_state, Tensor conv_w, Tensor g_raw, Tensor beta_raw, Tensor gate, "
-      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, float lower, Tensor(b!) state) -> Tensor");
+      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, float lower, float l2_eps, Tensor(b!) state) -> Tensor");
   m.def(
       "kda_prefill(Tensor qkv, Tensor(a!) conv_state, Tensor conv_w, Tensor g_raw, Tensor beta_raw, Tensor gate, "
-      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, float lower, Tensor(b!) state) -> Tensor");
+      "Tensor A_log, Tensor dt_bias, Tensor o_norm, float eps, float lower, float l2_eps, Tensor(b!) state) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(k3dist, CPU, m) {
