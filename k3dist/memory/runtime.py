@@ -80,12 +80,23 @@ def _prefill(
     (model/linear.py)."""
     D = cfg.hidden_size
     residual = 3 * tokens * D * 4 + tokens * D * s  # h, h + mixer(x), the mixer's fp32 output; the normed input
+    residual += bank_bytes(cfg, tokens)
     shape = dict(tokens=tokens, seqs=seqs, longest=longest, s=s, cpu=cpu, dense=dense)
     kinds = [0, *(kind.activation(cfg, world, **shape) for kind in present(cfg))]
     wide = 0
     if widen:  # the widest projection input: its fp32 copy and a fp32 block of weight rows
         wide = (tokens + WIDE_BLOCK) * max(D, *(kind.widest_input(cfg, world) for kind in KINDS)) * 4
     return residual + max(kinds) + wide
+
+
+def bank_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """K3's block attention residuals (model/residuals.py): a snapshot of the stream per block, fp32, for every token
+    of the forward, and at a mixing site every candidate stacked once more (the bank and the stream). 0 without
+    them."""
+    if not cfg.attn_res_block_size:
+        return 0
+    blocks = -(-cfg.num_layers // cfg.attn_res_block_size)
+    return tokens * cfg.hidden_size * 4 * (2 * blocks + 1)
 
 
 def processor_bytes(batch: int, vocab_local: int) -> int:

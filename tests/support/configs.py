@@ -52,8 +52,9 @@ def small_config(**overrides) -> dict:
     return copy.deepcopy(raw)
 
 
-def small_k3() -> dict:
-    """The K3 twin's packaging at toy sizes: 6 layers (MLA at 3 and 6, 1-based), blocks of 2, 4 experts."""
+def small_k3(**text) -> dict:
+    """The K3 twin's packaging at toy sizes: 6 layers (MLA at 3 and 6, 1-based), blocks of 2, 4 experts; `text`
+    overrides text_config's fields."""
     out = json.loads(K3_TWIN.read_text())
     t = out["text_config"]
     t.update(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2)
@@ -62,4 +63,5 @@ def small_k3() -> dict:
     t.update(moe_intermediate_size=32, routed_expert_hidden_size=64, attn_res_block_size=2)
     t["linear_attn_config"] |= {"num_heads": 2, "head_dim": 16, "full_attn_layers": [3, 6], "kda_layers": [1, 2, 4, 5]}
     out |= {"bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
+    t.update(text)
     return out
