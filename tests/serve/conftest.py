@@ -1,12 +1,13 @@
 """Servers shared by the serve tests: a small fp32 checkpoint with the twin's tokenizer and chat template, served at
-world 1 and world 2 (gloo) by the real command line; and one in Kimi K3's chat format (`server_k3`). Each is started
-once per session and stopped at its end."""
+world 1 and world 2 (gloo) by the real command line; a small Kimi K3 model in K3's chat format (`server_k3`); and
+the 0.4B K3 twin, MXFP4 experts packed, at world 2 (`server_k3_twin`). Each is started once per session and stopped
+at its end."""
 
 import pytest
 
 from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.twin.tokenizer import KIMI_K3
-from tests.support.configs import small_config
+from tests.support.configs import small_config, small_k3
 from tests.support.server import Server
 
 SLOTS, CAP = 4, 256
@@ -46,12 +47,10 @@ def server(request):
 
 @pytest.fixture(scope="session")
 def serve_dir_k3(tmp_path_factory):
-    """The checkpoint K3's chat format is served on: until the K3 model runs in k3dist, the small Kimi-Linear one
-    with the K3 twin's tokenizer and chat template (twin/tokenizer.py's kimi_k3). To serve the K3 twin instead,
-    return `ensure_twin(<the K3 twin config>, dtype="float32", variant="dequantized")` here: its tokenizer and
-    template are the same format, chosen by its variant."""
+    """A small Kimi K3 model (every K3 part, MXFP4 experts) with the K3 twin's tokenizer and chat template
+    (twin/tokenizer.py's kimi_k3, chosen by its variant)."""
     out = tmp_path_factory.mktemp("serveckpt3") / "m"
-    return write_checkpoint(small_config(), out, seed=9, dtype="float32", chat_format=KIMI_K3)
+    return write_checkpoint(small_k3(moe_intermediate_size=64), out, seed=9, dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -63,5 +62,19 @@ def server_k3(serve_dir_k3, tmp_path_factory):
     server.chat_format = KIMI_K3
     server.chat_extra = {"chat_template_kwargs": {"thinking": False}}
     server.responses_extra = {"reasoning": {"effort": "none"}}
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def server_k3_twin(k3_cache, tmp_path_factory):
+    """The 0.4B K3 twin as its config packages it (bf16, MXFP4 experts kept packed) at world 2."""
+    from k3dist.twin.checkpoint import ensure_twin
+    from tests.support.configs import CONFIGS
+
+    model = ensure_twin(CONFIGS / "Kimi-K3-twin-0.4B-config.json", root=k3_cache)
+    server = _server(tmp_path_factory.mktemp("k3twin"), model, "dist.nproc=2", "dist.check_tokens=true")
+    server.chat_format = KIMI_K3
+    server.chat_extra = {"chat_template_kwargs": {"thinking": False}}
     yield server
     server.stop()

@@ -328,7 +328,7 @@ def _mla_layer(kernels, dtype, batch: int, cap: int):
         "o_proj.weight": torch.randn(D, H * dv, generator=g) * 0.2,
     }
     weights = {name: w.to(dtype) for name, w in weights.items()}
-    cfg = SimpleNamespace(qk_nope_dim=dn, qk_rope_dim=dr, v_head_dim=dv, kv_lora_rank=r)
+    cfg = SimpleNamespace(qk_nope_dim=dn, qk_rope_dim=dr, v_head_dim=dv, kv_lora_rank=r, q_lora_rank=0)
     bind = Binding(weights.__getitem__, lambda n: Linear(weights[n]), cfg, TPComm(1, 0, 8), kernels, dtype)
     return MLA(bind, "", torch.zeros(batch, cap, r + dr, dtype=dtype))
 
