@@ -83,7 +83,7 @@ class Output:
         self.sequence = 0
         self.message: dict | None = None  # the message or reasoning item being written
         self.logprobs: list = []  # the tokens' log-probabilities not yet sent with a delta
-        self.produced = self.reasoned = 0
+        self.produced = self.reasoned = self.held = 0  # held: tokens whose text is not out yet (a split character)
 
     @property
     def items(self) -> list[dict]:
@@ -107,7 +107,10 @@ class Output:
             self.logprobs += self.shape.logprobs(ev.logprobs, ev.tokens)["content"]
         self.produced += len(ev.tokens)
         text, reasoning, calls = self.tools.delta(0, ev.text, ev.finish_reason)[:3] if self.tools else (ev.text, "", [])
-        self.reasoned += len(ev.tokens) if reasoning and not (text or calls) else 0
+        self.held += len(ev.tokens)
+        if reasoning or text or calls:  # the held tokens count with the text they completed
+            self.reasoned += self.held if reasoning and not (text or calls) else 0
+            self.held = 0
         out = self._text(reasoning, "reasoning") if reasoning else []
         out += self._text(text) if text else []
         for delta in calls:

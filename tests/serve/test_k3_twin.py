@@ -12,7 +12,7 @@ import pytest
 GREEDY = {"temperature": 0, "max_tokens": 12}
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"enum": [1, 2, 3]}},
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -48,6 +48,7 @@ def test_a_k3_stream_adds_up_to_the_whole_answer(server_k3_twin):
 def test_a_k3_json_schema_answer_is_valid(server_k3_twin):
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
     out = _chat(server_k3_twin, "Plan a trip as JSON.", response_format=fmt, max_tokens=64)
+    assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
 
 

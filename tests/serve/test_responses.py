@@ -186,10 +186,20 @@ def test_log_probabilities_with_include(server1):
     chat = _chat(server1, [{"role": "user", "content": "Say hi"}], logprobs=True, top_logprobs=2)
     part = made["output"][0]["content"][0]
     assert len(part["logprobs"]) == 8 and all(len(t["top_logprobs"]) == 2 for t in part["logprobs"])
-    assert [t["logprob"] for t in part["logprobs"]] == [t["logprob"] for t in chat["choices"][0]["logprobs"]["content"]]
+    _same_logprobs(part["logprobs"], chat["choices"][0]["logprobs"]["content"])
     events = _streamed(server1, body)
-    sent = [t for e in events if e["type"] == "response.output_text.delta" for t in e["logprobs"]]
-    assert sent == part["logprobs"]
+    _same_logprobs(
+        [t for e in events if e["type"] == "response.output_text.delta" for t in e["logprobs"]], part["logprobs"]
+    )
+
+
+def _same_logprobs(got: list[dict], want: list[dict]) -> None:
+    """The same tokens and bytes, log-probabilities within 1e-6: a later request may restore the first one's prefix
+    snapshot, and a decode step after a restore may round its last bits otherwise on some CPUs."""
+    flat = lambda ts: [(t["token"], t["bytes"], [(a["token"], a["bytes"]) for a in t["top_logprobs"]]) for t in ts]  # noqa: E731
+    assert flat(got) == flat(want)
+    values = lambda ts: [v for t in ts for v in (t["logprob"], *(a["logprob"] for a in t["top_logprobs"]))]  # noqa: E731
+    assert max(abs(a - b) for a, b in zip(values(got), values(want), strict=True)) <= 1e-6
 
 
 def test_what_the_gateway_writes_into_every_body_is_served(server1):
