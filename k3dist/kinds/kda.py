@@ -100,5 +100,5 @@ KDA = LayerKind(
     ),
     activation=_activation,
     widest_input=lambda cfg, world: cfg.kda_dim // world,
-    quantized=r"\.self_attn\.(in_proj|fg_b_proj|o_proj)\.weight$",
+    quantized=r"\.self_attn\.(in_proj|fg_b_proj|g_proj|o_proj)\.weight$",  # g_proj: K3's output gate
 )

@@ -99,5 +99,5 @@ MLA = LayerKind(
     activation=_activation,
     widest_input=lambda cfg, world: cfg.mla_heads // world * cfg.v_head_dim,
     decode_op_bytes=_decode_op_bytes,
-    quantized=r"\.self_attn\.(q_kv_a_proj|o_proj)\.weight$",
+    quantized=r"\.self_attn\.(q_kv_a_proj|q_a_proj|q_b_proj|g_proj|o_proj)\.weight$",  # K3's q-LoRA, output gate
 )

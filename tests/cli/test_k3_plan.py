@@ -72,3 +72,28 @@ def test_a_k3_checkpoint_plans_from_its_headers_without_its_vision_tower(tmp_pat
     args = ("generate.prompt=[1, 2, 3]", "generate.max_new_tokens=4")
     rc, text, ran = run_cli(tmp_path / "gen", f"model.path={model}", *args)
     assert rc == 0 and "seq 0 (4 tokens, length)" in text and text.count("vision-tower") == 1, text
+
+
+@pytest.mark.slow
+def test_k3_runs_compiled_and_int8(tmp_path):
+    """The K3 parts on the compiled decode step (decode.compile=on) and under model.quant=int8 (K3's q-LoRA and output
+    gates among the int8 projections), at world 1 and 2: the compiled step gives the eager step's greedy tokens and
+    top logits (fp32, within 1e-5); int8 gives the same tokens at both world sizes."""
+    model = write_checkpoint(small_k3(moe_intermediate_size=64), tmp_path / "k3", seed=2, tokenizer=False)
+    args = (f"model.path={model}", "generate.prompt=[1, 2, 3]", "generate.max_new_tokens=6", "model.dtype=float32")
+    runs = {}
+    for name, extra in {
+        "eager": (),
+        "compiled": ("decode.compile=on",),
+        "int8": ("model.quant=int8",),
+        "int8-w2": ("model.quant=int8", "dist.nproc=2"),
+    }.items():
+        rc, text, runs[name] = run_cli(tmp_path / name, *args, *extra)
+        assert rc == 0, text
+    assert runs["compiled"]["decode_compile"] == "compile" and runs["int8"]["quant"] == "int8"
+    assert runs["compiled"]["tokens"] == runs["eager"]["tokens"]
+    for a, b in zip(runs["compiled"]["top_logits"][0], runs["eager"]["top_logits"][0], strict=True):
+        assert [i for i, _ in a] == [i for i, _ in b] and max(
+            abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)
+        ) <= 1e-5
+    assert runs["int8"]["tokens"] == runs["int8-w2"]["tokens"]

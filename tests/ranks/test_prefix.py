@@ -1,7 +1,7 @@
-"""Exact prefix reuse on real ranks (fp32, world 1 and 2, three configs, one of them Kimi K3's): a chat's second turn restored from the first
-turn's snapshot gives the greedy tokens and, within 1e-5, the top-5 logits of the run without reuse; a prompt sharing
-a chunk-aligned prefix with an earlier one gives bit-identical logits; prompts branching from a shared document
-inside a chunk are snapshotted at the branch point and restored there; and nothing else is a hit."""
+"""Exact prefix reuse on real ranks (fp32, world 1 and 2, three configs, one of them Kimi K3's): a chat's second turn
+restored from the first turn's snapshot gives the greedy tokens and, within 1e-5, the top-5 logits of the run without
+reuse; a prompt sharing a chunk-aligned prefix with an earlier one gives bit-identical logits; prompts branching from
+a shared document inside a chunk are snapshotted at the branch point and restored there; and nothing else is a hit."""
 
 import pytest
 
