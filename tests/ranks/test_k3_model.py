@@ -23,6 +23,7 @@ from tests.support.ranks import expect_ok
 CONFIGS = Path(__file__).resolve().parents[2] / "k3dist" / "configs"
 TOLERANCE = 1e-4  # of the row's largest |logit| (issue 40); llama.cpp meets a float64 forward within 5.7e-6
 SHORT = ("len1", "len7", "len33")
+CHUNK = 200  # the 520-token prompt in three pieces
 # Expert choices that are ties at fp32's resolution, so a change of summation order (a TP split) may pick the other
 # expert. In a float64 forward (benchmarks/k3_torch_ref.py) of the 520-token prompt, the 16th and 17th biased router
 # scores are 2.7e-7 apart at position 368 of the last MoE layer, 1.4e-6 at 13 (layer 4) and 1.1e-6 at 28 (layer 14).
@@ -39,9 +40,12 @@ def twin(config: str, variant: str, root: Path) -> str:
 
 
 def run(ranks, model_dir: str, world: int, prompt, out: Path, dtype: str = "float32", backend: str = "auto"):
-    """(prefill logits [T, V], the 16 decode rows [16, V]) of one prompt, each step fed the golden's token."""
+    """(prefill logits [T, V], the 16 decode rows [16, V]) of one prompt, each step fed the golden's token. A prompt
+    over CHUNK tokens is prefilled in CHUNK-token pieces, each continuing the cache (the MLA past in key blocks, the
+    KDA state carried), as the engine's chunked prefill does."""
     forced = [[*prompt.decode.at.tolist(), 0]]  # 16 fed tokens; the 17th is never fed
-    args = (model_dir, dtype, [prompt.ids], forced, str(out), 17, "unbiased", "eager", False, backend)
+    chunk = CHUNK if len(prompt.ids) > CHUNK else None
+    args = (model_dir, dtype, [prompt.ids], forced, str(out), 17, "unbiased", "eager", False, backend, chunk)
     expect_ok(ranks(teacher_forced, world, *args))
     got = load_file(out)
     return got["prefill"][0], got["steps"][0, 1:]

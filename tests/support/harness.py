@@ -62,10 +62,11 @@ def teacher_forced(
     capture: str = "eager",
     pack: bool = False,
     backend: str = "auto",
+    chunk: int | None = None,
 ):
-    """Prefill logits for every prompt position, then one decode step per forced token (or, with `forced` None,
-    per greedy token of its own) through the real static step; rank 0 saves logits, tokens and how many MoE layers
-    ran dense experts."""
+    """Prefill logits for every prompt position (in pieces of `chunk` tokens, each continuing the cache; None: one
+    piece), then one decode step per forced token (or, with `forced` None, per greedy token of its own) through the
+    real static step; rank 0 saves logits, tokens and how many MoE layers ran dense experts."""
     B, T = len(prompt), len(prompt[0])
     rt, cfg, model, cache = bind(model_dir, dtype, B, T + steps + 1, router, backend, pack)
     dense = dense_layers(model)
@@ -73,7 +74,10 @@ def teacher_forced(
     step.warm_up()
     rows = torch.arange(B)
     with torch.inference_mode():
-        prefill = model.comm.gather_logits(model.prefill(torch.tensor(prompt), rows, 0, all_logits=True))
+        ids, pieces = torch.tensor(prompt), range(0, T, chunk or T)
+        prefill = torch.cat(
+            [model.comm.gather_logits(model.prefill(ids[:, a : a + (chunk or T)], rows, a, True)) for a in pieces], 1
+        )
         cache.positions.fill_(T)
     logits, tokens = [prefill[:, -1]], []
     for t in range(steps):
