@@ -71,7 +71,7 @@ def main() -> int:
     head += ["ring B/token a rank", "plan s"]
     notes = [
         f"command: `python launch.py -m {' '.join(overrides)}`; the sweep took {wall:.0f} s in all",
-        "per rank, the tightest rank's figures (every K3 split is even: all ranks alike)",
+        "local, admitted, free: the tightest rank's (K3's splits are even: every rank keeps and needs the same)",
         "k3dist has no expert parallelism yet: each N is one TP group (across nodes past 8 GPUs), every rank holding "
         "1/N of each of the 896 routed experts; the bytes are those of one decoded token",
     ]
