@@ -29,9 +29,12 @@ def print_summary(result: dict) -> None:
     for r in rows:
         print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     if "verdict" in result:
-        print(f"  verdict: {result['verdict']} ({result['params']:,} params in {result['tensors']:,} tensors)")
+        counted = f"{result['params']:,} params in {result['tensors']:,} tensors"
+        print(f"  verdict: {result['verdict']} ({counted}): {margin(result)}")
         for line in result.get("refusals", []):
             print(f"    {line}")
+        if result["tp_traffic"]["routed_experts"]:
+            print(f"  {pure_tp(result['tp_traffic'])}")
     if "load_seconds" in result:
         print(f"  load {result['load_seconds']:.2f} s", end="")
         if "tokens" in result:
@@ -45,3 +48,28 @@ def print_summary(result: dict) -> None:
                 print(f"  seq {i} ({len(seq)} tokens, {result['finish_reason'][i]}): {shown}")
         else:
             print()
+
+
+def margin(result: dict) -> str:
+    """The tightest rank's headroom, or how far short it is."""
+    room, rank = result["headroom"], result["tightest_rank"]
+    if room >= 0:
+        return f"fits with {fmt_bytes(room)} to spare (rank {rank}, the tightest)"
+    return f"short by {fmt_bytes(-room)} (rank {rank}, the furthest)"
+
+
+def pure_tp(t: dict) -> str:
+    """How a model with routed experts is split, and what that costs per token."""
+    n = t["world"]
+    if n == 1:
+        return (
+            f"parallelism: one rank holds each of the {t['routed_experts']} routed experts whole (k3dist has no expert "
+            "parallelism yet); no collectives"
+        )
+    where = f"across {t['nodes']} nodes of {t['node_gpus']} GPUs" if t["nodes"] > 1 else "within one node"
+    return (
+        f"parallelism: one pure TP group of {n} ranks {where}; k3dist has no expert parallelism yet (each rank holds "
+        f"1/{n} of each of the {t['routed_experts']} routed experts); per token it all-reduces "
+        f"{t['all_reduce_bytes']:,} bytes and all-gathers {t['all_gather_bytes']:,}: {t['ring_bytes']:,} bytes of "
+        "ring traffic a rank"
+    )

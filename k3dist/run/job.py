@@ -9,6 +9,7 @@ decode) is published to the peers, which may be waiting inside a collective (`af
 import json
 import logging
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ..base.failures import exit_with_error, staged, unexpected
 from ..base.outfiles import atomic_write
 from ..base.paths import inside
 from ..config import ModelConfig, load_config, validate_topology
+from ..memory.traffic import tp_traffic
 from ..offline.output import check_targets
 from ..offline.prompts import TextTools, build_prompts
 from ..offline.summary import print_summary
@@ -30,7 +32,7 @@ from ..twin.checkpoint import ensure_twin
 from ..weights.inventory import scan
 from ..weights.loader import load_weights
 from ..weights.memory import detect_free, mark_base, peak_bytes
-from ..weights.schema import expected_tensors, parameter_count
+from ..weights.schema import parameter_count
 from ..weights.whatif import plan_all_ranks
 from .fronts import FrontInputs, run_front
 from .plan import RunPlan, plan_run
@@ -92,7 +94,9 @@ def measured_memory(device: torch.device, runtime: dict | None) -> dict:
 
 def plan_only(s: Settings, rt: dist.Runtime) -> dict:
     """run.mode=plan: every rank of `dist.world_size` planned here, from the checkpoint headers or the config, for the
-    run `run.plan_for` names: the same run plan (run/plan.py) and so the same figures as that run's."""
+    run `run.plan_for` names: the same run plan (run/plan.py) and so the same figures as that run's; with the
+    tightest rank's headroom (negative: how far short) and what the TP group's collectives move per token."""
+    started = time.perf_counter()
     cfg = model_config(s)
     world = s.dist.world_size or rt.world
     validate_topology(cfg, world)
@@ -101,6 +105,7 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
     free = s.memory.free if s.memory.free is not None else detect_free(rt.device, rt.local_world)
     plans = plan_all_ranks(cfg, inv, world, plan.dtype, free, plan.terms)
     refused = [p.refusal() for p in plans if not p.fits]
+    tightest = min(plans, key=lambda p: p.free - p.admitted)
     return base_result(s, rt, cfg, world) | {
         "mode": "plan",
         "plan_for": plan.run,
@@ -108,8 +113,12 @@ def plan_only(s: Settings, rt: dist.Runtime) -> dict:
         "runtime": plan.runtimes[0].as_dict(),
         "verdict": "refused" if refused else "admitted",
         "refusals": refused,
+        "headroom": tightest.free - tightest.admitted,
+        "tightest_rank": tightest.rank,
+        "tp_traffic": tp_traffic(cfg, world, plan.dtype.itemsize).as_dict(),
         "params": parameter_count(cfg),  # the inventory holds the same shapes (scan checks each)
-        "tensors": len(expected_tensors(cfg)),
+        "tensors": plans[0].tensors,  # every rank plans every tensor
+        "plan_seconds": time.perf_counter() - started,
     }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..base.units import fmt_bytes
-from .reads import read_bytes, schedule, staging
+from .reads import SLOTS, read_bytes, schedule, staging
 from .tp_plan import ShardPlan
 
 
@@ -82,21 +82,55 @@ class MemoryPlan:
 def memory_plan(rank: int, plans: list[ShardPlan], free: int, terms: MemoryTerms = WEIGHTS_ONLY) -> MemoryPlan:
     chunks = schedule(plans)
     slots, slot_bytes = staging(chunks)
-    return MemoryPlan(
-        rank=rank,
+    return _with_terms(
+        rank,
+        free,
+        terms,
         source_bytes=sum(p.source_bytes for p in plans),
         read_bytes=read_bytes(plans, chunks),
         local_bytes=sum(p.local_bytes for p in plans),
         replicated_bytes=sum(p.local_bytes for p in plans if p.axis.dim is None),
         staging_peak=slots * slot_bytes,
+        tensors=len(plans),
+    )
+
+
+def family_memory_plan(
+    rank: int, families: list[tuple[ShardPlan, int]], free: int, terms: MemoryTerms = WEIGHTS_ONLY
+) -> MemoryPlan:
+    """memory_plan of tensors planned from the config alone, given as (one tensor's plan, how many plan alike).
+
+    With no file offsets every tensor is read on its own (reads.py), so tensors of one shape, split and dtype read,
+    stage and keep what one of them does, times their count: the same figures as memory_plan's over every tensor,
+    without a plan per tensor (K3: 497,052 tensors a rank, of a few dozen families)."""
+    chunks = [(schedule([plan]), count) for plan, count in families]
+    every = sum(count * len(c) for sched, count in chunks for c in sched.values())
+    widest = max((staging(sched)[1] for sched, _ in chunks), default=0)
+    return _with_terms(
+        rank,
+        free,
+        terms,
+        source_bytes=sum(p.source_bytes * n for p, n in families),
+        read_bytes=sum(read_bytes([p], sched) * n for (p, n), (sched, _) in zip(families, chunks, strict=True)),
+        local_bytes=sum(p.local_bytes * n for p, n in families),
+        replicated_bytes=sum(p.local_bytes * n for p, n in families if p.axis.dim is None),
+        staging_peak=min(SLOTS, every) * widest,
+        tensors=sum(n for _, n in families),
+    )
+
+
+def _with_terms(rank: int, free: int, terms: MemoryTerms, **weights: int) -> MemoryPlan:
+    """A MemoryPlan of the weights' figures and the run's other terms."""
+    return MemoryPlan(
+        rank=rank,
         derived_bytes=terms.derived,
         cache_bytes=terms.cache,
         runtime_bytes=terms.runtime,
         prefix_bytes=terms.prefix,
         reserve=terms.reserve,
         free=free,
-        tensors=len(plans),
         saved_bytes=terms.saved,
+        **weights,
     )
 
 

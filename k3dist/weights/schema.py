@@ -76,10 +76,12 @@ def canonical_name(key: str) -> str:
     """Drop K3's `language_model.`; map the dense MLP's `block_sparse_moe.{gate,up,down}_proj` (transformers
     save_pretrained) to `mlp.`."""
     key = key.removeprefix(K3_PREFIX)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        if key.endswith(f".block_sparse_moe.{proj}.weight"):
-            return key.replace(".block_sparse_moe.", ".mlp.")
+    if key.endswith(DENSE_AS_MOE):
+        return key.replace(".block_sparse_moe.", ".mlp.")
     return key
+
+
+DENSE_AS_MOE = tuple(f".block_sparse_moe.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj"))
 
 
 def keeps_fp32(name: str) -> bool:

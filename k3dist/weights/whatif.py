@@ -8,9 +8,9 @@ import torch
 from ..base.dtypes import BY_NAME, BY_TORCH
 from ..config import ModelConfig
 from .inventory import Inventory, TensorEntry
-from .memory import WEIGHTS_ONLY, MemoryPlan, MemoryTerms, memory_plan
-from .schema import canonical_name, checkpoint_entries
-from .tp_plan import plan_rank
+from .memory import WEIGHTS_ONLY, MemoryPlan, MemoryTerms, family_memory_plan, memory_plan
+from .schema import canonical_name, checkpoint_entries, kept_dtype
+from .tp_plan import axis_of, plan_rank, plan_tensor
 
 
 def config_entries(cfg: ModelConfig) -> list[TensorEntry]:
@@ -23,6 +23,17 @@ def config_entries(cfg: ModelConfig) -> list[TensorEntry]:
     ]
 
 
+def shape_families(entries: list[TensorEntry], compute_dtype: torch.dtype) -> list[tuple[TensorEntry, int]]:
+    """(one entry, how many) for each set of entries that every rank plans alike: the same split, shape and dtypes.
+    A layer's or an expert's number changes none of these, so a model's hundreds of thousands of tensors are a few
+    dozen families."""
+    families: dict[tuple, list] = {}
+    for e in entries:
+        key = (axis_of(e.name, len(e.shape)), e.shape, e.dtype, kept_dtype(e.name, compute_dtype))
+        families.setdefault(key, [e, 0])[1] += 1
+    return [(e, n) for e, n in families.values()]
+
+
 def plan_all_ranks(
     cfg: ModelConfig,
     inv: Inventory | None,
@@ -31,7 +42,15 @@ def plan_all_ranks(
     free: int,
     terms: dict[int, MemoryTerms] | None = None,
 ) -> list[MemoryPlan]:
-    """`terms`: each rank's, from the run plan (run/plan.py); None: the weights alone."""
-    entries = list(inv.entries.values()) if inv is not None else config_entries(cfg)
+    """`terms`: each rank's, from the run plan (run/plan.py); None: the weights alone. A checkpoint's tensors are
+    planned one by one (their offsets decide which are read together); the config's by shape family, each of which
+    is read alone."""
     terms = terms or dict.fromkeys(range(world), WEIGHTS_ONLY)
-    return [memory_plan(r, plan_rank(cfg, entries, world, r, compute_dtype), free, terms[r]) for r in range(world)]
+    if inv is not None:
+        entries = list(inv.entries.values())
+        return [memory_plan(r, plan_rank(cfg, entries, world, r, compute_dtype), free, terms[r]) for r in range(world)]
+    families = shape_families(config_entries(cfg), compute_dtype)
+    return [
+        family_memory_plan(r, [(plan_tensor(e, world, r, compute_dtype), n) for e, n in families], free, terms[r])
+        for r in range(world)
+    ]

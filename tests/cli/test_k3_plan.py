@@ -1,5 +1,6 @@
-"""Kimi K3 from the command line: the what-if plan of the real 2.78T config at world 8 (`model=kimi_k3`) and of the
-K3 twin's; a world that would cut an MXFP4 group refused with one `error:` line before anything is read or written;
+"""Kimi K3 from the command line: the what-if plan of the real 2.78T config (`model=kimi_k3`) at world 8, refused on
+141 GiB a rank with its numbers and admitted on 400 GiB, and at world 16 with a verdict its numbers bear out; the K3
+twin's; a world that would cut an MXFP4 group refused with one `error:` line before anything is read or written;
 a K3 checkpoint planned from its headers, its vision tower skipped with one log line, then loaded and run (its MXFP4
 experts kept packed) without reading the vision tower."""
 
@@ -8,6 +9,7 @@ import math
 import pytest
 import torch
 
+from k3dist.base.units import fmt_bytes
 from k3dist.config import load_config
 from k3dist.twin.checkpoint import write_checkpoint
 from k3dist.weights.schema import checkpoint_entries, expected_tensors, parameter_count
@@ -43,13 +45,53 @@ def test_what_if_plan_of_the_k3_twin(tmp_path):
     check_plan(result, text, 4, 403_821_952, 6_590, mxfp4_bytes(TWIN))
 
 
-@pytest.mark.slow  # about 2 minutes on 2 cores: 497,052 tensors planned on each of 8 ranks
+@pytest.mark.slow  # the default tier plans the real K3 at 141 GiB (below); this adds the admitted verdict's checks
 def test_what_if_plan_of_the_real_k3_at_world_8(tmp_path):
     rc, text, result = run_cli(
         tmp_path, "model=kimi_k3", "run.mode=plan", "dist.world_size=8", "memory.free=400GiB", timeout=600
     )
     assert rc == 0, text
     check_plan(result, text, 8, parameter_count(load_config(REAL)), 497_052, mxfp4_bytes(REAL))
+
+
+def real_k3_plan(tmp_path, world: int) -> tuple[str, dict]:
+    """The real K3 planned for `world` ranks of 141 GiB (an H200's)."""
+    args = ("model=kimi_k3", "run.mode=plan", f"dist.world_size={world}", "memory.free=141GiB")
+    rc, text, result = run_cli(tmp_path, *args, timeout=300)
+    assert rc == 0 and "Traceback" not in text, text
+    plans = result["plan"]
+    assert [p["rank"] for p in plans] == list(range(world)) and {p["free"] for p in plans} == {141 * 2**30}
+    assert result["verdict"] == ("admitted" if all(p["admitted"] <= p["free"] for p in plans) else "refused")
+    assert all(p["fits"] == (p["admitted"] <= p["free"]) for p in plans)
+    assert result["headroom"] == min(p["free"] - p["admitted"] for p in plans)
+    traffic = result["tp_traffic"]
+    assert traffic["world"] == world and traffic["routed_experts"] == 896 and traffic["ring_bytes"] > 0
+    assert f"parallelism: one pure TP group of {world} ranks" in text and "no expert parallelism" in text
+    assert f"{traffic['all_reduce_bytes']:,} bytes" in text and f"{traffic['ring_bytes']:,} bytes of ring" in text
+    return text, result
+
+
+def test_the_real_k3_at_world_8_is_refused_on_141_gib(tmp_path):
+    """Each rank's MXFP4 experts alone pass an H200: every rank's refusal gives its admitted, free and shortfall."""
+    text, result = real_k3_plan(tmp_path, 8)
+    assert result["verdict"] == "refused" and result["tp_traffic"]["nodes"] == 1
+    plans = result["plan"]
+    assert all(p["admitted"] > p["free"] and not p["fits"] for p in plans)
+    assert len(result["refusals"]) == 8 and "verdict: refused" in text
+    for p, line in zip(plans, result["refusals"], strict=True):
+        short = fmt_bytes(p["admitted"] - p["free"])
+        assert f"rank {p['rank']} needs admitted {fmt_bytes(p['admitted'])} > free 141.0 GiB" in line, line
+        assert line.endswith(f"short by {short})") and line in text
+    assert f"short by {fmt_bytes(-result['headroom'])} (rank" in text
+
+
+def test_the_real_k3_at_world_16_answers_with_its_margin(tmp_path):
+    """Across two nodes: the verdict is what the numbers say, and the verdict line gives the margin either way."""
+    text, result = real_k3_plan(tmp_path, 16)
+    assert result["tp_traffic"]["nodes"] == 2 and "across 2 nodes of 8 GPUs" in text
+    room = fmt_bytes(abs(result["headroom"]))
+    said = f"fits with {room} to spare" if result["verdict"] == "admitted" else f"short by {room}"
+    assert f"verdict: {result['verdict']} (" in text and said in text
 
 
 def test_k3_refusals_are_one_line(tmp_path):
