@@ -19,7 +19,7 @@ from ..kernels.mla import attend_blocks, mla_prefill
 from ..kinds.mla import KEY_BLOCK  # CPU prefill expands the cached latent this many positions at a time
 from .layers import Binding, rmsnorm
 
-LATENT_EPS = 1e-5  # kv_a_layernorm, K3's q_a_layernorm: KimiRMSNorm's default eps (transformers), not rms_norm_eps
+LATENT_EPS = 1e-6  # kv_a_layernorm: KimiRMSNorm's default eps (transformers), not rms_norm_eps (K3 takes that)
 ABSORBED_ROWS = 48  # a piece of at most this many tokens after a past attends as decode does (MLA._absorbed)
 
 
