@@ -79,6 +79,9 @@ def widened_linear(x: Tensor, weight: Tensor, block: int = WIDE_BLOCK) -> Tensor
 
 
 LOW = (torch.bfloat16, torch.float16)
+# fp32 rows too: torch's fp32 GEMM rounds a row's sums differently by how many rows come with it on some CPUs (an
+# AMX Xeon: 1 row against 2), so a prompt's first logits would depend on which others finished in its window
+ROWS_DTYPES = (*LOW, torch.float32)
 
 
 class Linear:
@@ -89,7 +92,7 @@ class Linear:
         self.shape = weight.shape
         self.packed, self.widen = pack, widen and not pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
-        plain = not pack and weight.dtype in LOW and weight.is_contiguous() and weight.device.type == "cpu"
+        plain = not pack and weight.dtype in ROWS_DTYPES and weight.is_contiguous() and weight.device.type == "cpu"
         self.rows = rows if plain else None
 
     def __call__(self, x: Tensor) -> Tensor:
