@@ -55,7 +55,9 @@ def test_decode_rows_go_through_the_rows_op_and_wider_inputs_widen():
         want = cpu_ops.linear_rows(x, w) if rows <= ROWS_OP_MAX else widened_linear(x, w)
         assert torch.equal(lin(x), want)
     assert Linear(w, rows=cpu_ops.linear_rows).rows is not None  # any plain low-precision weight's decode rows
-    assert Linear(w.float(), rows=cpu_ops.linear_rows).rows is None  # fp32: torch's GEMV
+    wide = Linear(w.float(), rows=cpu_ops.linear_rows)  # fp32 too: a row's result whatever rows come with it
+    x = _pair(ROWS_OP_MAX)[0].float()
+    assert wide.rows is not None and all(torch.equal(wide(x[i : i + 1])[0], wide(x)[i]) for i in range(len(x)))
     if packable(w.dtype, w.device):
         assert Linear(w, pack=True, rows=cpu_ops.linear_rows).rows is None  # a packed weight is oneDNN's alone
 
