@@ -154,6 +154,7 @@ def test_priority_orders_the_waiting_requests(extras):
                         started[i].set()
                         if leave[i].is_set():
                             return  # the stream closes: its slot is free at the next window
+                seen[f"holder {i} ran out"] = time.monotonic()  # its 250 tokens ended before it was let go
 
             async def waiting(name: str, priority: int) -> None:
                 body = {"prompt": [7, 8], "max_tokens": 3, "temperature": 0, "stream": True, "priority": priority}
@@ -182,8 +183,11 @@ def test_priority_orders_the_waiting_requests(extras):
             await asyncio.gather(low, *holders)
             return seen
 
-    seen = asyncio.run(scenario())
-    assert seen["high done"] < seen["low first"], seen
+    for _ in range(3):  # a fast host may finish the second holder's 250 tokens first: two slots free, no order
+        seen = asyncio.run(scenario())
+        if "holder 1 ran out" not in seen:
+            break
+    assert "holder 1 ran out" not in seen and seen["high done"] < seen["low first"], seen
 
 
 def test_a_3mb_tokenize_gets_its_tokens(extras):
