@@ -17,6 +17,7 @@ from torch import Tensor
 from ..kernels.conv import causal_conv_prefill
 from ..kernels.kda import L2_EPS, kda_gate, kda_prefill
 from ..kernels.kda_fused import KDALayer
+from ..weights.tp_plan import shard_range
 from .layers import Binding, gated_rmsnorm
 
 
@@ -35,7 +36,7 @@ class KDA:
         self.heads, self.d = cfg.kda_heads // b.comm.world, cfg.kda_head_dim
         A_log = w(prefix + "A_log").view(-1)
         if A_log.numel() != self.heads:  # K3's padded [128], replicated: this rank's heads
-            A_log = A_log[b.comm.rank * self.heads : (b.comm.rank + 1) * self.heads]
+            A_log = A_log[slice(*shard_range(cfg.kda_heads, b.comm.world, b.comm.rank))]
         self.A_log, self.dt_bias = A_log, w(prefix + "dt_bias")
         P = self.heads * self.d
         gate_a = () if self.full_rank_gate else (self.d,)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
 from ..kernels.mxfp4 import PackedExperts
+from ..weights.tp_plan import shard_range
 from .layers import Binding, gated_mlp, rmsnorm
 from .moe import route
 
@@ -39,7 +40,7 @@ class LatentMoE:
             lin(prefix + "routed_expert_up_proj.weight"),
         )
         self.norm, self.eps = w(prefix + "routed_expert_norm.weight"), cfg.rms_norm_eps
-        self.latent = cfg.latent_size // b.comm.world  # this rank's columns of the normed latent, for `up`
+        self.latent = slice(*shard_range(cfg.latent_size, b.comm.world, b.comm.rank))  # its normed latent's columns
         x = prefix + "experts."
         if cfg.mxfp4_experts:
             w13 = PackedExperts(w(x + "w13_packed"), w(x + "w13_scale"), b.dtype)
@@ -68,7 +69,7 @@ class LatentMoE:
         y = self.comm.all_reduce(experts(z, ids, weights))  # [N, Z] fp32: the experts' combine, whole
         y = rmsnorm(y, self.norm, self.eps).to(self.dtype)
         if self.comm.world > 1:  # `up` reads this rank's latent columns
-            y = y[:, self.comm.rank * self.latent : (self.comm.rank + 1) * self.latent].contiguous()
+            y = y[:, self.latent].contiguous()
         out = self.up(y).float()
         out = out + gated_mlp(flat, *self.shared, self.act).float()
         return self.comm.all_reduce(out).view(shape)

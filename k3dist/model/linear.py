@@ -78,10 +78,9 @@ def widened_linear(x: Tensor, weight: Tensor, block: int = WIDE_BLOCK) -> Tensor
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-LOW = (torch.bfloat16, torch.float16)
 # fp32 rows too: torch's fp32 GEMM rounds a row's sums differently by how many rows come with it on some CPUs (an
 # AMX Xeon: 1 row against 2), so a prompt's first logits would depend on which others finished in its window
-ROWS_DTYPES = (*LOW, torch.float32)
+ROWS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Linear:
