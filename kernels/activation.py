@@ -14,6 +14,7 @@ with 1/beta rounded to fp32 first (1/4 is exact; 1/25 is 0.04f, where Moonshot d
 below anything the goldens resolve). The kernels compute exactly these fp32 operations in this order.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +47,10 @@ class SiTU:
         if not (self.beta > 0 and self.linear_beta > 0):
             raise ValueError(f"SiTU needs positive betas, got beta={self.beta}, linear_beta={self.linear_beta}")
 
-    @property
+    @functools.cached_property
     def inverses(self) -> tuple[float, float]:
-        """1/beta and 1/linear_beta rounded to fp32, as llama.cpp computes them (1.0f / beta)."""
+        """1/beta and 1/linear_beta rounded to fp32, as llama.cpp computes them (1.0f / beta); worked out once, not on
+        every call of a decode step."""
         one = torch.ones((), dtype=torch.float32)
         return (one / self.beta).item(), (one / self.linear_beta).item()
 

@@ -197,22 +197,21 @@ def _act(act: Activation) -> tuple[int, float, float]:
     return act.code, act.beta, act.linear_beta
 
 
-# moe_experts.cpp's buffers (its panel sizes at AVX-512's widths, the largest): PANEL_ROWS weight rows (phase 1: gate
-# and up; phase 2 half as many) by PANEL_INPUTS inputs, widened (fp32), transposed (fp32, or bf16 pairs), packed
-PANEL_ROWS, PANEL_INPUTS = 64, 256
+# moe_experts.cpp's buffers: phase 1 widens ROWS1 rows (gate and up) of the latent's width, phase 2 ROWS2 rows of the
+# expert width, in fp32 at most
+ROWS1, ROWS2 = 32, 32
 
 
 def moe_experts_scratch_bytes(tokens: int, top_k: int, latent: int, width: int, threads: int) -> int:
     """The most moe_experts allocates for `tokens` tokens of `top_k` choices, latent width `latent` (Z), this
     rank's expert width `width` (I), on `threads` threads, its fp32 result included: z in fp32, the pairs' sort,
-    the activations [pairs, I] fp32, and per thread the larger phase's panel buffers (phase 1: the accumulators of
-    one expert's tokens; phase 2: every pair's outputs for one block of rows). The plan counts it beside the packed
-    weight bytes."""
+    the activations [pairs, I] fp32, and per thread the larger phase's buffers (phase 1: its widened rows and the
+    outputs of one expert's tokens; phase 2: its widened rows and every pair's outputs for one block of rows). The
+    plan counts it beside the packed weight bytes."""
     pairs = tokens * top_k
     shared = tokens * latent * 4 * 2 + pairs * 8 * 2 + pairs * width * 4
-    panel = 3 * PANEL_ROWS * PANEL_INPUTS * 4
-    phase1 = panel + tokens * PANEL_ROWS * 4 + tokens * 8 * 2
-    phase2 = panel // 2 + pairs * PANEL_ROWS // 2 * 4 + tokens * 8 * 2
+    phase1 = ROWS1 * latent * 4 + tokens * (ROWS1 * 4 + 8)
+    phase2 = ROWS2 * width * 4 + pairs * ROWS2 * 4 + tokens * 8
     return shared + threads * max(phase1, phase2)
 
 

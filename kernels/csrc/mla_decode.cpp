@@ -17,7 +17,9 @@
 // BF16 dot products (32 values an instruction, rows never widened), or the widened fp32 kernels (any dtype). All
 // three sum exact products of the same rounded values in fp32, in different orders (the tests bound the difference
 // as for the torch path); which one runs depends only on the CPU and the shapes, never on the batch or the threads.
-#include "vec.h"
+#include "vec.h"  // first: it names the CPU capability ATen's vector functions compile for
+
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -255,28 +257,14 @@ inline void pair_up(const float* p, uint32_t* pp) {
 // take the dot-product kernels above.
 constexpr int TILE_ROWS = 16;
 
-bool amx_permitted() {  // asked of the kernel once a process (ARCH_REQ_XCOMP_PERM for XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes: palette 1, then each tile's bytes a row and rows
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using k3::amx_permitted;
 
 // tiles 0-2: scores C [16 rows][H], rows A [16][32 values], q B [16 pairs][H pairs]; 3-5: context A [H][32
 // probabilities], rows B [16 pairs][16 value pairs], C [H][16 values]
 inline void configure_tiles(int64_t H) {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette = 1;
   const uint16_t colsb[6] = {static_cast<uint16_t>(H * 4), 64, static_cast<uint16_t>(H * 4), 64, 64, 64};
   const uint8_t rows[6] = {16, 16, 16, static_cast<uint8_t>(H), 16, static_cast<uint8_t>(H)};
-  for (int t = 0; t < 6; ++t) c.colsb[t] = colsb[t], c.rows[t] = rows[t];
-  asm volatile("" : : "r"(&c) : "memory");  // GCC does not see ldtilecfg read the stores: keep them
-  _tile_loadconfig(&c);
+  k3::configure_tiles(6, rows, colsb);
 }
 
 // q [H][Kq] (bf16, zero past K) as K / 32 B tiles: tile k, row j, head h holds q_h[32 k + 2 j], q_h[32 k + 2 j + 1]
@@ -433,26 +421,33 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
     T* op = out.data_ptr<T>();
     const int64_t lat_b = latent.stride(0), lat_t = latent.stride(1);
 
-    // q_abs = W_kb^T q_nope (rounded), then q_pe: a row of W_kb at a time, vectorised over r
-    at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    // q_abs = W_kb^T q_nope (rounded), then q_pe: a row of W_kb at a time, vectorised over r; a task per head, its
+    // rows widened once for every sequence (each sequence's sums run in the same order as alone)
+    at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> w(rp);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / H, h = task % H;
-        const T* qh = qp + (b * H + h) * (dn + dr);
-        float* out_q = qc + task * Kp;
-        for (int64_t i = 0; i < Kp; ++i) out_q[i] = 0.f;
+      for (int64_t h = begin; h < end; ++h) {
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < Kp; ++i) qc[(b * H + h) * Kp + i] = 0.f;
         for (int64_t j = 0; j < dn; ++j) {
           widen<T>(kb + h * w_kb.stride(0) + j * w_kb.stride(1), w.data(), r);
-          const Vec qj(static_cast<float>(qh[j]));
-          for (int64_t i = 0; i < rp; i += W) {
-            const int64_t m = std::min<int64_t>(W, r - i);
-            at::vec::fmadd(qj, Vec::loadu(w.data() + i, m), Vec::loadu(out_q + i, m)).store(out_q + i, m);
+          for (int64_t b = 0; b < B; ++b) {
+            const Vec qj(static_cast<float>(qp[(b * H + h) * (dn + dr) + j]));
+            float* out_q = qc + (b * H + h) * Kp;
+            for (int64_t i = 0; i < rp; i += W) {
+              const int64_t m = std::min<int64_t>(W, r - i);
+              at::vec::fmadd(qj, Vec::loadu(w.data() + i, m), Vec::loadu(out_q + i, m)).store(out_q + i, m);
+            }
           }
         }
-        k3::round_to<T>(out_q, r);
-        for (int64_t i = 0; i < dr; ++i) out_q[r + i] = static_cast<float>(qh[dn + i]);
-        if (dots)
-          for (int64_t i = 0; i < Kq; ++i) qbf[task * Kq + i] = static_cast<c10::BFloat16>(i < K ? out_q[i] : 0.f);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t task = b * H + h;
+          const T* qh = qp + task * (dn + dr);
+          float* out_q = qc + task * Kp;
+          k3::round_to<T>(out_q, r);
+          for (int64_t i = 0; i < dr; ++i) out_q[r + i] = static_cast<float>(qh[dn + i]);
+          if (dots)
+            for (int64_t i = 0; i < Kq; ++i) qbf[task * Kq + i] = static_cast<c10::BFloat16>(i < K ? out_q[i] : 0.f);
+        }
       }
     });
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -609,10 +604,10 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
     });
 
     // the pieces' contexts summed and rounded, then through kv_b's value rows
-    at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B * H, (B * H + 1) / 2, [&](int64_t begin, int64_t end) {  // two halves: kv_b read twice
       std::vector<float> c(rc), tmp(rc);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / H, h = task % H;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t h = t / B, b = t % B, task = b * H + h;  // head-major: a head's rows stay in cache
         for (int64_t i = 0; i < rc; ++i) c[i] = 0.f;
         for (int64_t pi = first[b]; pi < first[b + 1]; ++pi) {
           const float* part = ctx + (pi * H + h) * rc;

@@ -5,18 +5,19 @@
 // once by whoever needs it.
 //
 // The (token, choice) pairs are sorted by expert, so each chosen expert's rows are read and widened once per call,
-// however many tokens chose it. Phase 1 runs a task per (expert, HALF gate rows and the HALF matching up rows): the
-// rows are widened to fp32 (mxfp4.h: per 32-group for packed rows) a chunk of inputs at a time, transposed into a
-// panel, and multiplied with every pair's z (each loaded panel line serves a group of tokens); the activation (a
-// value: SiLU or SiTU, chosen once per call) is written per pair. Phase 2 runs a task per block of ROWS2 output
-// rows: each chosen expert's w2 rows are widened the same way and multiplied with its pairs' activations, then every
-// token's outputs are combined in its top-k order.
+// however many tokens chose it. Phase 1 runs a task per (expert, HALF gate rows and the HALF matching up rows): each
+// row is widened whole into a small buffer (mxfp4.h: bf16 pairs or fp32; a dense row in the dot's form is read in
+// place), then multiplied with every pair's z, a block of rows by a group of tokens at a time (each loaded line of a
+// row serves the group); the activation (a value: SiLU or SiTU, chosen once per call) is written per pair. Phase 2
+// runs a task per block of ROWS2 output rows: each chosen expert's w2 rows are widened the same way and multiplied
+// with its pairs' activations, then every token's outputs are combined in its top-k order.
 //
 // Roundings follow the torch references (kernels/moe.py): each projection's output, and the activation, round to
-// the compute dtype; the weighted combine is fp32. Every output is one chain over its inputs in order (mxfp4.h's
-// panel_fma: fp32 FMAs; with bf16 compute on CPUs with AVX-512 bf16, panel_dpbf16: vdpbf16ps over input pairs, what
-// oneDNN's bf16 GEMM uses there), so a packed weight gives the same bits as its dequantization through this op, and
-// a token the same bits whatever tokens came with it.
+// the compute dtype; the weighted combine is fp32. Every output is one dot product summed in a fixed way (mxfp4.h's
+// dots_f32: fp32 FMA lanes, then the lanes added; with bf16 compute on CPUs with AVX-512 bf16, dots_pairs: vdpbf16ps
+// over input pairs, the instruction oneDNN's bf16 GEMM uses there), so a packed weight gives the same bits as its
+// dequantization through this op, and a token the same bits whatever tokens came with it. The sum's order is not
+// the references', so the op agrees with them to rounding.
 #include "vec.h"  // first: it names the CPU capability ATen's vector functions compile for
 
 #include <torch/library.h>
@@ -33,79 +34,95 @@ namespace {
 using k3::rnd;
 using k3::Vec;
 
-// Panel geometry (mxfp4.h): phase 1 widens HALF gate rows and the HALF matching up rows (RV1 vectors a line), phase 2
-// ROWS2 output rows (RV2), a chunk of KB inputs at a time; GMAX* tokens share each loaded panel line (the FMA
-// accumulators fill the registers). cpu_ops.moe_experts_scratch_bytes mirrors these sizes.
-constexpr int RV1 = 4, RV2 = 2;
-constexpr int64_t HALF = RV1 / 2 * k3::PANEL_LANES, ROWS1 = 2 * HALF, ROWS2 = RV2 * k3::PANEL_LANES, KB = 256;
-#if K3_LANES == 16
-constexpr int GMAX1 = 6, GMAX2 = 12;  // 24 accumulators of AVX-512's 32 registers
-#elif defined(K3_LANES)
-constexpr int GMAX1 = 2, GMAX2 = 6;  // 8 and 12 of AVX2's 16
-#else
-constexpr int GMAX1 = 4, GMAX2 = 4;
-#endif
-static_assert(k3::MX_GROUP % HALF == 0 && k3::MX_GROUP % ROWS2 == 0, "a packed task holds whole groups of rows");
 
-// A task's rows (global row indices, -1 for a zero row) as a panel [kb][nrows] of their inputs k0 .. k0 + kb:
-// each row widened into scratch [nrows][KB], then transposed.
-template <typename Widen>
-void rows_to_panel(const Widen& widen, const int64_t* ids, int64_t nrows, int64_t kb, float* panel, float* scratch) {
-  for (int64_t j = 0; j < nrows; ++j) {
-    float* dst = scratch + j * KB;
-    if (ids[j] < 0)
-      std::fill(dst, dst + kb, 0.f);
-    else
-      widen(ids[j], dst);
-  }
-  k3::transpose_rows(scratch, nrows, KB, kb, panel);
-}
+// Geometry: phase 1 widens HALF gate rows and the HALF matching up rows per task, phase 2 ROWS2 output rows per
+// expert; the dots run RB rows by up to GB tokens (the accumulators fill the registers). cpu_ops.moe_experts_scratch_
+// bytes mirrors these sizes.
+constexpr int64_t HALF = 16, ROWS1 = 2 * HALF, ROWS2 = 32;
+#if K3_LANES == 16
+constexpr int RB = 4, GB = 6;  // 24 accumulators of AVX-512's 32 registers
+#elif defined(K3_LANES)
+constexpr int RB = 2, GB = 4;  // 8 of AVX2's 16
+#else
+constexpr int RB = 2, GB = 2;
+#endif
+
+// How a row is dotted: fp32 lines and FMAs (any CPU, any compute dtype), or (PAIRS) bf16 pairs and vdpbf16ps (bf16
+// compute on CPUs with AVX-512 bf16, even widths: half the instructions and the lines' bytes). X is the vectors'
+// element (z and the activations), Line a widened row's.
+template <bool PAIRS>
+struct Dots {
+  using X = std::conditional_t<PAIRS, c10::BFloat16, float>;
+  using Line = std::conditional_t<PAIRS, uint32_t, float>;
+  static constexpr int64_t per = PAIRS ? 2 : 1;  // inputs a line element holds
+};
 
 struct Packed {  // MXFP4 rows of n elements: n / 2 bytes and n / 32 scales each
   const uint8_t* q;
   const uint8_t* s;
   int64_t n;
-  void panel(const int64_t* ids, int64_t nrows, int64_t k0, int64_t kb, float* out, float* scratch) const {
-#if K3_LANES == 16
-    fill16<false>(ids, nrows, k0, kb, out);
-#else
-    auto widen = [&](int64_t r, float* dst) {
-      k3::widen_mxfp4(q + r * (n / 2) + k0 / 2, s + (r * n + k0) / k3::MX_GROUP, kb, dst);
-    };
-    rows_to_panel(widen, ids, nrows, kb, out, scratch);
-#endif
-  }
-#if defined(__AVX512BF16__)
-  void pairs(const int64_t* ids, int64_t nrows, int64_t k0, int64_t kb, uint32_t* out, float*) const {
-    fill16<true>(ids, nrows, k0, kb, out);
-  }
-#endif
-#if K3_LANES == 16
-  template <bool PAIRS>  // straight into the panel, 16 rows at a time (packed tasks hold whole groups of rows: no -1)
-  void fill16(const int64_t* ids, int64_t nrows, int64_t k0, int64_t kb, void* out) const {
-    for (int64_t v = 0; v < nrows; v += 16) {
-      const uint8_t *qr[16], *sr[16];
-      for (int r = 0; r < 16; ++r) {
-        qr[r] = q + ids[v + r] * (n / 2);
-        sr[r] = s + ids[v + r] * (n / k3::MX_GROUP);
-      }
-      k3::widen_mxfp4_panel16<PAIRS>(qr, sr, k0, kb, static_cast<uint32_t*>(out) + v, nrows);
+  template <bool PAIRS>
+  const typename Dots<PAIRS>::Line* row(int64_t r, typename Dots<PAIRS>::Line* buf) const {
+    const uint8_t *qr = q + r * (n / 2), *sr = s + r * (n / k3::MX_GROUP);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (PAIRS) {
+      k3::widen_mxfp4_pairs(qr, sr, n, buf);
+      return buf;
     }
-  }
 #endif
+    if constexpr (!PAIRS) k3::widen_mxfp4(qr, sr, n, buf);
+    return buf;
+  }
 };
 
 template <typename T>
-struct Dense {
+struct Dense {  // rows of n elements in the compute dtype
   const T* w;
   int64_t n;
-  void panel(const int64_t* ids, int64_t nrows, int64_t k0, int64_t kb, float* out, float* scratch) const {
-    rows_to_panel([&](int64_t r, float* dst) { k3::widen_row(w + r * n + k0, kb, dst); }, ids, nrows, kb, out, scratch);
+  template <bool PAIRS>
+  const typename Dots<PAIRS>::Line* row(int64_t r, typename Dots<PAIRS>::Line* buf) const {
+    if constexpr (PAIRS) {  // bf16 rows are bf16 pairs already
+      static_assert(std::is_same_v<T, c10::BFloat16>, "pairs are bf16");
+      return reinterpret_cast<const uint32_t*>(w + r * n);
+    } else if constexpr (std::is_same_v<T, float>) {
+      return w + r * n;
+    } else {
+      k3::widen_row(w + r * n, n, buf);
+      return buf;
+    }
   }
-  void pairs(const int64_t* ids, int64_t nrows, int64_t k0, int64_t kb, uint32_t* out, float* scratch) const {
-    float* fp32 = scratch + nrows * KB;  // the fp32 panel, then its pairs (kb even)
-    panel(ids, nrows, k0, kb, fp32, scratch);
-    k3::pack_pairs(fp32, kb, nrows, out);
+};
+
+// out[g * ld + r] = rows[r] . x[g] for nr rows and c vectors of n inputs: RB rows by GB vectors at a time, the rest
+// in smaller blocks (the same sums: mxfp4.h's dots sum each output alone)
+template <bool PAIRS>
+struct RowDots {
+  const typename Dots<PAIRS>::Line* const* rows;
+  const typename Dots<PAIRS>::X* const* x;
+  int64_t n;
+  float* out;
+  int64_t ld;
+  template <int R, int G>
+  void block(int64_t r0, int64_t g0) const {
+    using Line = typename Dots<PAIRS>::Line;
+    const Line* const* xs = reinterpret_cast<const Line* const*>(x + g0);
+    float* o = out + g0 * ld + r0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (PAIRS) return k3::dots_pairs<R, G>(rows + r0, xs, n / 2, o, ld);
+#endif
+    if constexpr (!PAIRS) k3::dots_f32<R, G>(rows + r0, xs, n, o, ld);
+  }
+  template <int G>
+  void run(int64_t g0, int64_t nr) const {
+    int64_t r0 = 0;
+    for (; r0 + RB <= nr; r0 += RB) block<RB, G>(r0, g0);
+    for (; r0 < nr; ++r0) block<1, G>(r0, g0);
+  }
+  void operator()(int64_t nr, int64_t c) const {
+    int64_t g0 = 0;
+    for (; g0 + GB <= c; g0 += GB) run<GB>(g0, nr);
+    for (; g0 + 2 <= c; g0 += 2) run<2>(g0, nr);
+    for (; g0 < c; ++g0) run<1>(g0, nr);
   }
 };
 
@@ -141,32 +158,6 @@ struct Situ {  // activation.py's SiTU: fp32, llama.cpp's operations in its orde
   }
 };
 
-// How a task's panel is stored and multiplied: fp32 lines and FMAs (any CPU, any compute dtype), or (PAIRS) bf16
-// pairs and vdpbf16ps (bf16 compute on CPUs with AVX-512 bf16, even widths: half the instructions and the panel's
-// bytes). X is the vectors' element (z and the activations), Line the panel's.
-template <bool PAIRS>
-struct Dots {
-  using X = std::conditional_t<PAIRS, c10::BFloat16, float>;
-  using Line = std::conditional_t<PAIRS, uint32_t, float>;
-};
-
-// acc [c][nrows] += the rows' products with c vectors of n inputs, a panel of KB inputs at a time
-template <int RV, int GMAX, bool PAIRS, typename Rows>
-void panel_products(const Rows& w, const int64_t* ids, int64_t nrows, const typename Dots<PAIRS>::X* const* vecs,
-                    int64_t c, int64_t n, float* acc, std::vector<float>& scratch,
-                    std::vector<typename Dots<PAIRS>::Line>& panel, std::vector<const void*>& x) {
-  x.resize(c);
-  for (int64_t k0 = 0; k0 < n; k0 += KB) {
-    const int64_t kb = std::min(KB, n - k0);
-    if constexpr (PAIRS)
-      w.pairs(ids, nrows, k0, kb, panel.data(), scratch.data());
-    else
-      w.panel(ids, nrows, k0, kb, panel.data(), scratch.data());
-    for (int64_t v = 0; v < c; ++v) x[v] = vecs[v] + k0;
-    k3::in_groups<GMAX>(k3::PanelProducts<RV, PAIRS>{panel.data(), kb, x.data(), acc}, 0, c);
-  }
-}
-
 struct Pairs {  // the (token, choice) pairs sorted by expert, stably
   std::vector<int64_t> start;  // [E + 1]: expert e's pairs are sorted slots start[e] .. start[e + 1] - 1
   std::vector<int64_t> pair;   // slot -> pair (token * k + choice)
@@ -198,6 +189,7 @@ struct Problem {  // one call's routing and sizes
 template <typename T, bool PAIRS, typename Rows, typename Act>
 void run(const Problem& p, const typename Dots<PAIRS>::X* z, const Rows& w13, const Rows& w2, const Act& act_fn) {
   using X = typename Dots<PAIRS>::X;
+  using Line = typename Dots<PAIRS>::Line;
   const int64_t N = p.N, k = p.k, Z = p.Z, E = p.E, I = p.I, P = N * k;
   const Pairs pairs = sort_pairs(p.ids, P, E);
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first of HALF gate rows), chosen experts only
@@ -206,47 +198,44 @@ void run(const Problem& p, const typename Dots<PAIRS>::X* z, const Rows& w13, co
       for (int64_t i0 = 0; i0 < I; i0 += HALF) tasks.emplace_back(e, i0);
   std::vector<X> act(P * I);  // by slot
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(2 * ROWS1 * KB), acc;
-    std::vector<typename Dots<PAIRS>::Line> panel(KB * ROWS1);
+    std::vector<Line> buf(ROWS1 * Z / Dots<PAIRS>::per);
+    std::vector<float> acc;
     std::vector<const X*> vecs;
-    std::vector<const void*> x;
-    int64_t ids[ROWS1];
+    const Line* rows[ROWS1];
     for (int64_t t = begin; t < end; ++t) {
       const auto [e, i0] = tasks[t];
       const int64_t rb = std::min(HALF, I - i0), first = pairs.start[e], c = pairs.start[e + 1] - first;
-      for (int64_t r = 0; r < HALF; ++r) {  // gate rows i0.., then the up rows I + i0..
-        ids[r] = r < rb ? e * 2 * I + i0 + r : -1;
-        ids[HALF + r] = r < rb ? e * 2 * I + I + i0 + r : -1;
+      Line* line = buf.data();
+      for (int64_t r = 0; r < 2 * rb; ++r, line += Z / Dots<PAIRS>::per) {  // the gate rows i0.., the up rows I + i0..
+        rows[r] = w13.template row<PAIRS>(e * 2 * I + (r < rb ? i0 + r : I + i0 + r - rb), line);
       }
       vecs.resize(c);
       for (int64_t v = 0; v < c; ++v) vecs[v] = z + pairs.pair[first + v] / k * Z;
-      acc.assign(c * ROWS1, 0.f);
-      panel_products<RV1, GMAX1, PAIRS>(w13, ids, ROWS1, vecs.data(), c, Z, acc.data(), scratch, panel, x);
-      k3::round_to<T>(acc.data(), c * ROWS1);  // the gate and up projections' outputs, as torch's GEMM rounds them
+      acc.resize(c * ROWS1);
+      RowDots<PAIRS>{rows, vecs.data(), Z, acc.data(), ROWS1}(2 * rb, c);
       for (int64_t v = 0; v < c; ++v) {
         float* gate = acc.data() + v * ROWS1;
-        act_fn(gate, gate + HALF, rb);
+        k3::round_to<T>(gate, 2 * rb);  // the gate and up projections' outputs, as torch's GEMM rounds them
+        act_fn(gate, gate + rb, rb);
         std::copy(gate, gate + rb, act.data() + (first + v) * I + i0);  // (values of T: exact in X)
       }
     }
   });
   at::parallel_for(0, (Z + ROWS2 - 1) / ROWS2, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(2 * ROWS2 * KB), y(P * ROWS2);
-    std::vector<typename Dots<PAIRS>::Line> panel(KB * ROWS2);
+    std::vector<Line> buf(ROWS2 * I / Dots<PAIRS>::per);
+    std::vector<float> y(P * ROWS2);
     std::vector<const X*> vecs;
-    std::vector<const void*> x;
-    int64_t ids[ROWS2];
+    const Line* rows[ROWS2];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t r0 = b * ROWS2, rb = std::min(ROWS2, Z - r0);
-      std::fill(y.begin(), y.end(), 0.f);
       for (int64_t e = 0; e < E; ++e) {
         const int64_t first = pairs.start[e], c = pairs.start[e + 1] - first;
         if (!c) continue;
-        for (int64_t r = 0; r < ROWS2; ++r) ids[r] = r < rb ? e * Z + r0 + r : -1;
+        for (int64_t r = 0; r < rb; ++r)
+          rows[r] = w2.template row<PAIRS>(e * Z + r0 + r, buf.data() + r * (I / Dots<PAIRS>::per));
         vecs.resize(c);
         for (int64_t v = 0; v < c; ++v) vecs[v] = act.data() + (first + v) * I;
-        float* acc = y.data() + first * ROWS2;
-        panel_products<RV2, GMAX2, PAIRS>(w2, ids, ROWS2, vecs.data(), c, I, acc, scratch, panel, x);
+        RowDots<PAIRS>{rows, vecs.data(), I, y.data() + first * ROWS2, ROWS2}(rb, c);
       }
       for (int64_t n = 0; n < N; ++n) {  // the fp32 combine, in each token's top-k order
         for (int64_t r = 0; r < rb; ++r) {
@@ -259,7 +248,8 @@ void run(const Problem& p, const typename Dots<PAIRS>::X* z, const Rows& w13, co
   });
 }
 
-// The panel's form for this dtype and these widths (bf16 pairs where they apply), then run
+
+// The dots' form for this dtype and these widths (bf16 pairs where they apply), then run
 template <typename T, typename Rows, typename Act>
 void with_dots(const Problem& p, const at::Tensor& z, const Rows& w13, const Rows& w2, const Act& act_fn) {
 #if defined(__AVX512BF16__)

@@ -1,11 +1,10 @@
-// MXFP4 rows widened to fp32 (compressed-tensors' mxfp4-pack-quantized: element 2i in a byte's low nibble, 2i+1 in
-// its high one, one E8M0 scale per 32 elements), and the panel products of the CPU MoE kernels.
+// MXFP4 rows widened for the CPU MoE kernels (compressed-tensors' mxfp4-pack-quantized: element 2i in a byte's low
+// nibble, 2i+1 in its high one, one E8M0 scale per 32 elements), and the row-by-vector dot products they run.
 //
 // Widening computes what weights/mxfp4.py's dequantize (ggml's) computes: the doubled E2M1 value times
-// 2^(scale - 128) built from its bits, one fp32 multiply; code 8 reads as +0. Every value is exact in fp32, so a
-// kernel that widens a packed row and then sums products in a fixed order gets the same bits as one that reads the
-// dequantized row (bf16 or fp32) and sums in that order; every value is exact in bf16 too, so bf16 pairs of it are
-// its fp32 bits' top halves.
+// 2^(scale - 128) built from its bits, one fp32 multiply; code 8 reads as +0. Every value is exact in fp32, and in
+// bf16 too (at most 2 significant bits), so a kernel that widens a packed row and then sums products in a fixed
+// order gets the same bits as one that reads the dequantized row (bf16 or fp32) and sums in that order.
 #pragma once
 
 #include <cstdint>
@@ -98,234 +97,126 @@ inline void widen_row(const T* w, int64_t n, float* dst) {
   }
 }
 
-// Panels: a block of output rows widened and stored input-major (panel[i * W + r], W rows a line), so that one
-// vector holds one input's weights for LANES output rows. A task widens its rows a chunk of inputs at a time into a
-// row-major buffer, then transposes LANES x LANES blocks into the panel.
-#if defined(K3_LANES)
-inline Vf vset1(float v) {
 #if K3_LANES == 16
-  return _mm512_set1_ps(v);
-#else
-  return _mm256_set1_ps(v);
-#endif
+// The lane sums of four accumulators, [sum a0, sum a1, sum a2, sum a3]: within each 128-bit quarter
+// (l0 + l2) + (l1 + l3), then (q0 + q2) + (q1 + q3), the same tree for each of the four whatever the others hold.
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+  const __m512 h = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0x4E));  // quarters q0 + q2, q1 + q3
+  return _mm512_castps512_ps128(_mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xB1)));
 }
 
-// dst[c * dst_ld + r] = src[r * ld + c] for r, c < LANES
-inline void transpose_block(const float* src, int64_t ld, float* dst, int64_t dst_ld) {
-#if K3_LANES == 16
-  __m512 s[16], t[16];
-  for (int r = 0; r < 16; ++r) s[r] = _mm512_loadu_ps(src + r * ld);
-  for (int q = 0; q < 16; q += 4) {  // 4 x 4 transposes inside each 128-bit lane, rows q..q+3
-    const __m512 a = _mm512_unpacklo_ps(s[q], s[q + 1]), b = _mm512_unpackhi_ps(s[q], s[q + 1]);
-    const __m512 c = _mm512_unpacklo_ps(s[q + 2], s[q + 3]), d = _mm512_unpackhi_ps(s[q + 2], s[q + 3]);
-    t[q] = _mm512_shuffle_ps(a, c, 0x44);  // lane k: column 4k of rows q..q+3
-    t[q + 1] = _mm512_shuffle_ps(a, c, 0xEE);  // 4k + 1
-    t[q + 2] = _mm512_shuffle_ps(b, d, 0x44);  // 4k + 2
-    t[q + 3] = _mm512_shuffle_ps(b, d, 0xEE);  // 4k + 3
+// out[r] = the lane sum of a[r][g] for r < R (reduce4, four rows at a time, zeros beside the last ones)
+template <int R, int G>
+inline void store_sums(const __m512 (&a)[R][G], int g, float* out) {
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = r0 + j < R ? a[r0 + j][g] : _mm512_setzero_ps();
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, reduce4(v[0], v[1], v[2], v[3]));
+    for (int j = 0; j < 4 && r0 + j < R; ++j) out[r0 + j] = sums[j];
   }
-  for (int j = 0; j < 4; ++j) {  // then the lanes: column 4k + j takes lane k of t[j], t[4 + j], t[8 + j], t[12 + j]
-    const __m512 x = _mm512_shuffle_f32x4(t[j], t[4 + j], 0x88), y = _mm512_shuffle_f32x4(t[j], t[4 + j], 0xDD);
-    const __m512 u = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], 0x88);
-    const __m512 w = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], 0xDD);
-    _mm512_storeu_ps(dst + j * dst_ld, _mm512_shuffle_f32x4(x, u, 0x88));
-    _mm512_storeu_ps(dst + (8 + j) * dst_ld, _mm512_shuffle_f32x4(x, u, 0xDD));
-    _mm512_storeu_ps(dst + (4 + j) * dst_ld, _mm512_shuffle_f32x4(y, w, 0x88));
-    _mm512_storeu_ps(dst + (12 + j) * dst_ld, _mm512_shuffle_f32x4(y, w, 0xDD));
-  }
-#else
-  __m256 s[8], t[8];
-  for (int r = 0; r < 8; ++r) s[r] = _mm256_loadu_ps(src + r * ld);
-  for (int q = 0; q < 8; q += 4) {
-    const __m256 a = _mm256_unpacklo_ps(s[q], s[q + 1]), b = _mm256_unpackhi_ps(s[q], s[q + 1]);
-    const __m256 c = _mm256_unpacklo_ps(s[q + 2], s[q + 3]), d = _mm256_unpackhi_ps(s[q + 2], s[q + 3]);
-    t[q] = _mm256_shuffle_ps(a, c, 0x44);
-    t[q + 1] = _mm256_shuffle_ps(a, c, 0xEE);
-    t[q + 2] = _mm256_shuffle_ps(b, d, 0x44);
-    t[q + 3] = _mm256_shuffle_ps(b, d, 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(dst + j * dst_ld, _mm256_permute2f128_ps(t[j], t[4 + j], 0x20));
-    _mm256_storeu_ps(dst + (4 + j) * dst_ld, _mm256_permute2f128_ps(t[j], t[4 + j], 0x31));
-  }
-#endif
 }
-constexpr int64_t PANEL_LANES = LANES;
-#else
-constexpr int64_t PANEL_LANES = 8;  // the portable build keeps the same geometry
 #endif
 
-#if K3_LANES == 16
-// AVX-512: 16 packed rows' inputs k0 .. k0 + kb (whole groups) widened straight into a panel, fp32 panel[i * ld + r]
-// or (PAIRS) bf16 pairs panel[i / 2 * ld + r] (inputs 2j and 2j + 1 of a row in one 32-bit word, as vdpbf16ps takes
-// them): per group, the 16 rows' 16 bytes are transposed (byte j of every row in one register: elements 2j and
-// 2j+1), then each register's low and high nibbles index the code table and are scaled by the 16 rows' scales.
-// Twice as fast as widening rows and transposing the floats, with the same values.
-template <bool PAIRS>
-inline void widen_mxfp4_panel16(const uint8_t* const* q, const uint8_t* const* s, int64_t k0, int64_t kb, void* panel,
-                                int64_t ld) {
-  const __m512 table = _mm512_loadu_ps(MX_DOUBLED);
-  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), tiny = _mm512_set1_epi32(0x00200000);
-  for (int64_t b = k0 / 32; b < (k0 + kb) / 32; ++b) {
-    __m128i a[16], t[16];
-    alignas(16) uint8_t sc[16];
-    for (int r = 0; r < 16; ++r) {
-      a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + b * 16));
-      sc[r] = s[r][b];
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// One packed row of n elements -> n / 2 bf16 pairs (element 2i in the low half of word i, as vdpbf16ps takes them),
+// the values widen_mxfp4 gives (every one exact in bf16). Per group the codes index a table of the doubled values'
+// bf16 bits; the scale 2^(s - 128) is then an add to the exponent field of every nonzero value, exact wherever the
+// products stay normal (2 <= s <= 252: the doubled values' exponents are 127 .. 130). Other scales take the fp32
+// multiply and keep each value's top half, as widen_mxfp4's values hold them.
+inline void widen_mxfp4_pairs(const uint8_t* q, const uint8_t* s, int64_t n, uint32_t* dst) {
+  alignas(64) static const uint16_t bf16_table[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
+                                                      0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
+  const __m512i table = _mm512_load_si512(bf16_table);
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magnitude = _mm512_set1_epi16(0x7FFF);
+  for (int64_t b = 0; b < n / MX_GROUP; ++b) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+    // word 2i: the low nibble of byte i; word 2i + 1: its high nibble ((bytes | bytes << 12) & 0x000F000F)
+    const __m512i codes = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
+    __m512i v = _mm512_permutexvar_epi16(codes, table);
+    const int sc = s[b];
+    if (sc >= 2 && sc <= 252) {
+      const __mmask32 nonzero = _mm512_test_epi16_mask(v, magnitude);
+      v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(static_cast<int16_t>((sc - 128) * 128)));
+    } else {
+      const __m512 f = _mm512_loadu_ps(MX_DOUBLED), scale = _mm512_set1_ps(mx_half_scale(static_cast<uint8_t>(sc)));
+      const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), f), scale);
+      const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), f), scale);
+      v = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                          _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(~0xFFFF)));
     }
-    for (int k = 0; k < 8; ++k) {
-      t[2 * k] = _mm_unpacklo_epi8(a[2 * k], a[2 * k + 1]);
-      t[2 * k + 1] = _mm_unpackhi_epi8(a[2 * k], a[2 * k + 1]);
-    }
-    for (int m = 0; m < 4; ++m) {
-      a[4 * m] = _mm_unpacklo_epi16(t[4 * m], t[4 * m + 2]);
-      a[4 * m + 1] = _mm_unpackhi_epi16(t[4 * m], t[4 * m + 2]);
-      a[4 * m + 2] = _mm_unpacklo_epi16(t[4 * m + 1], t[4 * m + 3]);
-      a[4 * m + 3] = _mm_unpackhi_epi16(t[4 * m + 1], t[4 * m + 3]);
-    }
-    for (int p = 0; p < 2; ++p)
-      for (int q4 = 0; q4 < 4; ++q4) {
-        t[8 * p + 2 * q4] = _mm_unpacklo_epi32(a[8 * p + q4], a[8 * p + 4 + q4]);
-        t[8 * p + 2 * q4 + 1] = _mm_unpackhi_epi32(a[8 * p + q4], a[8 * p + 4 + q4]);
-      }
-    for (int u = 0; u < 8; ++u) {
-      a[2 * u] = _mm_unpacklo_epi64(t[u], t[8 + u]);
-      a[2 * u + 1] = _mm_unpackhi_epi64(t[u], t[8 + u]);
-    }
-    const __m512i sv = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
-    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(sv, one), 23);  // mx_half_scale, 16 rows at once
-    const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(sv, two), normal, _mm512_sllv_epi32(tiny, sv));
-    const __m512 scale = _mm512_castsi512_ps(bits);
-    for (int j = 0; j < 16; ++j) {
-      const __m512i idx = _mm512_cvtepu8_epi32(a[j]);
-      const __m512i high = _mm512_srli_epi32(idx, 4);  // (permutexvar reads the low 4 bits: the low nibble)
-      const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), scale);
-      const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(high, table), scale);
-      if constexpr (PAIRS) {  // a value's bf16 bits are its fp32 bits' top half (exact: at most 2 significant bits)
-        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(even), 16);
-        const __m512i hi = _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(~0xFFFF));
-        const __m512i pair = _mm512_or_si512(lo, hi);
-        _mm512_storeu_si512(static_cast<uint32_t*>(panel) + (b * 16 - k0 / 2 + j) * ld, pair);
-      } else {
-        float* out = static_cast<float*>(panel) + (b * 32 - k0) * ld;
-        _mm512_storeu_ps(out + (2 * j) * ld, even);
-        _mm512_storeu_ps(out + (2 * j + 1) * ld, odd);
-      }
-    }
+    _mm512_storeu_si512(dst + b * 16, v);
   }
 }
 
-#endif
-
-// rows [nr][ld] (nr a multiple of PANEL_LANES, the first n inputs of each) -> panel [n][nr]
-inline void transpose_rows(const float* rows, int64_t nr, int64_t ld, int64_t n, float* panel) {
-  for (int64_t r0 = 0; r0 < nr; r0 += PANEL_LANES) {
-    int64_t c = 0;
-#if defined(K3_LANES)
-    for (; c + LANES <= n; c += LANES) transpose_block(rows + r0 * ld + c, ld, panel + c * nr + r0, nr);
-#endif
-    for (; c < n; ++c)
-      for (int64_t r = r0; r < r0 + PANEL_LANES; ++r) panel[c * nr + r] = rows[r * ld + c];
-  }
-}
-
-// acc[g * W + r] += sum_i panel[i * W + r] * x[g][i] for G vectors and W = RV * PANEL_LANES rows, each output one
-// chain of FMAs over i in order, continued from acc (so a row's sum is the same sequence of roundings whatever G,
-// RV or the chunking of i is: a token's result never depends on the tokens or rows computed with it)
-template <int RV, int G>
-inline void panel_fma(const float* panel, int64_t n, const float* const* x, float* acc) {
-  constexpr int64_t W = RV * PANEL_LANES;
-#if defined(K3_LANES)
-  Vf a[G][RV];
-#pragma GCC unroll 16
-  for (int g = 0; g < G; ++g)
+// out[g * ld + r] = rows[r] . x[g] over np bf16 pairs, for R rows and G vectors, with vdpbf16ps: lane l of each
+// accumulator sums pairs l, l + 16, ... in order (a zero-padded partial vector at the end), then the 16 lanes are
+// added by reduce4's tree. Each output is summed the same way whatever R, G, or the rows and vectors beside it.
+template <int R, int G>
+inline void dots_pairs(const uint32_t* const* rows, const uint32_t* const* x, int64_t np, float* out, int64_t ld) {
+  __m512 a[R][G];
 #pragma GCC unroll 8
-    for (int v = 0; v < RV; ++v) a[g][v] = vload(acc + g * W + v * LANES);
-  for (int64_t i = 0; i < n; ++i) {
-    Vf w[RV];
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < RV; ++v) w[v] = vload(panel + i * W + v * LANES);
-#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) a[r][g] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < np; j += 16) {
+    const __mmask16 m = np - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (np - j)) - 1);
+    __m512bh w[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi32(m, rows[r] + j);
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      const Vf b = vset1(x[g][i]);
+      const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi32(m, x[g] + j);
 #pragma GCC unroll 8
-      for (int v = 0; v < RV; ++v) a[g][v] = vfma(w[v], b, a[g][v]);
+      for (int r = 0; r < R; ++r) a[r][g] = _mm512_dpbf16_ps(a[r][g], w[r], v);
     }
   }
-#pragma GCC unroll 16
-  for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
-    for (int v = 0; v < RV; ++v) vstore(acc + g * W + v * LANES, a[g][v]);
-#else
-  for (int64_t i = 0; i < n; ++i)
-    for (int g = 0; g < G; ++g)
-      for (int64_t r = 0; r < W; ++r) acc[g * W + r] += panel[i * W + r] * x[g][i];
+  for (int g = 0; g < G; ++g) store_sums<R, G>(a, g, out + g * ld);
+}
 #endif
-}
 
-// k.run<G>(g0) over vectors g0 .. nx, GMAX at a time (the last group as many as are left)
-template <int GMAX, typename K>
-inline void in_groups(const K& k, int64_t g0, int64_t nx) {
-  for (; g0 + GMAX <= nx; g0 += GMAX) k.template run<GMAX>(g0);
-  if constexpr (GMAX > 1) {
-    if (g0 < nx) in_groups<GMAX / 2>(k, g0, nx);
-  }
-}
-
-// bf16 pairs [n / 2][nrows] from an fp32 panel [n][nrows] (n even) of bf16 values (exact)
-inline void pack_pairs(const float* panel, int64_t n, int64_t nrows, uint32_t* pairs) {
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(panel);
-  for (int64_t j = 0; j < n / 2; ++j)
-    for (int64_t r = 0; r < nrows; ++r)
-      pairs[j * nrows + r] = (bits[2 * j * nrows + r] >> 16) | (bits[(2 * j + 1) * nrows + r] & 0xFFFF0000u);
-}
-
-#if defined(__AVX512BF16__)
-// panel_fma's bf16 form: acc[g * W + r] accumulates panel pair j of row r times x[g]'s pair j with vdpbf16ps (two
-// products a step, fp32 sums), one chain per output over j in order: the same sequence whatever G or RV is.
-template <int RV, int G>
-inline void panel_dpbf16(const uint32_t* panel, int64_t npairs, const uint32_t* const* x, float* acc) {
-  constexpr int64_t W = RV * 16;
-  __m512 a[G][RV];
-#pragma GCC unroll 16
-  for (int g = 0; g < G; ++g)
+// out[g * ld + r] = rows[r] . x[g] over n fp32 inputs, for R rows and G vectors: lane l of each accumulator sums
+// inputs l, l + LANES, ... in order with FMAs, the lanes are added (reduce4's tree on AVX-512, vsum's on AVX2), then the inputs past the last whole
+// vector one by one. Each output is summed the same way whatever R, G, or the rows and vectors beside it.
+template <int R, int G>
+inline void dots_f32(const float* const* rows, const float* const* x, int64_t n, float* out, int64_t ld) {
+#if defined(K3_LANES)
+  Vf a[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) a[r][g] = vzero();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    Vf w[R];
 #pragma GCC unroll 8
-    for (int v = 0; v < RV; ++v) a[g][v] = _mm512_loadu_ps(acc + g * W + v * 16);
-  for (int64_t j = 0; j < npairs; ++j) {
-    __m512bh w[RV];
+    for (int r = 0; r < R; ++r) w[r] = vload(rows[r] + i);
 #pragma GCC unroll 8
-    for (int v = 0; v < RV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + j * W + v * 16);
-#pragma GCC unroll 16
     for (int g = 0; g < G; ++g) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[g][j]));
+      const Vf v = vload(x[g] + i);
 #pragma GCC unroll 8
-      for (int v = 0; v < RV; ++v) a[g][v] = _mm512_dpbf16_ps(a[g][v], w[v], b);
+      for (int r = 0; r < R; ++r) a[r][g] = vfma(w[r], v, a[r][g]);
     }
   }
-#pragma GCC unroll 16
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 8
-    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(acc + g * W + v * 16, a[g][v]);
+  for (int g = 0; g < G; ++g) {
+#if K3_LANES == 16
+    store_sums<R, G>(a, g, out + g * ld);
+#else
+    for (int r = 0; r < R; ++r) out[g * ld + r] = vsum(a[r][g]);
+#endif
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = i; j < n; ++j) out[g * ld + r] += rows[r][j] * x[g][j];
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += rows[r][j] * x[g][j];
+      out[g * ld + r] = acc;
+    }
+#endif
 }
-
-#endif
-
-template <int RV, bool PAIRS>
-struct PanelProducts {  // panel_fma, or (PAIRS: bf16 pairs) panel_dpbf16, over any number of vectors (in_groups)
-  const void* panel;
-  int64_t n;  // inputs
-  const void* const* x;
-  float* acc;
-  template <int G>
-  void run(int64_t g0) const {
-    float* a = acc + g0 * RV * PANEL_LANES;
-#if defined(__AVX512BF16__)
-    if constexpr (PAIRS) {
-      const auto* xp = reinterpret_cast<const uint32_t* const*>(x + g0);
-      return panel_dpbf16<RV, G>(static_cast<const uint32_t*>(panel), n / 2, xp, a);
-    }
-#endif
-    panel_fma<RV, G>(static_cast<const float*>(panel), n, reinterpret_cast<const float* const*>(x + g0), a);
-  }
-};
 
 }  // namespace k3

@@ -68,12 +68,14 @@ def server_k3(serve_dir_k3, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server_k3_twin(k3_cache, tmp_path_factory):
-    """The 0.4B K3 twin as its config packages it (bf16, MXFP4 experts kept packed) at world 2."""
+    """The 0.4B K3 twin as its config packages it (bf16, MXFP4 experts kept packed) at world 2, with room for the
+    agent frameworks' prompts; thinking off as in `server_k3`."""
     from k3dist.twin.checkpoint import ensure_twin
     from tests.support.configs import CONFIGS
 
     model = ensure_twin(CONFIGS / "Kimi-K3-twin-0.4B-config.json", root=k3_cache)
-    server = _server(tmp_path_factory.mktemp("k3twin"), model, "dist.nproc=2", "dist.check_tokens=true")
+    twin = ("dist.nproc=2", "dist.check_tokens=true", "generate.prefill_chunk=64")
+    server = _server(tmp_path_factory.mktemp("k3twin"), model, *twin, cap=4 * CAP)
     server.chat_format = KIMI_K3
     server.chat_extra = {"chat_template_kwargs": {"thinking": False}}
     yield server

@@ -1,8 +1,9 @@
-"""Agent frameworks against the real server with nothing but its base URL: LangChain's ChatOpenAI (`bind_tools`,
-`with_structured_output` by JSON schema and by tool call), instructor (tools and JSON schema modes) and the `openai`
-client. Every body they send is recorded and held to the route's declared schema, so the fields these clients send
-are known to be declared (an undeclared one would be refused: serve.unknown_fields=refuse). The weights are random:
-what makes the answers valid is the grammar every tool call and schema is held to."""
+"""Agent frameworks against the real server with nothing but its base URL, in Kimi-K2's format and on the 0.4B K3 twin
+in K3's: LangChain's ChatOpenAI (`bind_tools`, `with_structured_output` by JSON schema and by tool call), instructor
+(tools and JSON schema modes) and the `openai` client. Every body they send is recorded and held to the route's
+declared schema, so the fields these clients send are known to be declared (an undeclared one would be refused:
+serve.unknown_fields=refuse). The weights are random: what makes the answers valid is the grammar every tool call
+and schema is held to."""
 
 import json
 from typing import Literal
@@ -22,8 +23,15 @@ def roomy(serve_dir, tmp_path_factory):
     """The serve checkpoint with room for the prompts frameworks write (their tool and schema instructions)."""
     overrides = ("generate.batch=2", "cache.cap=2048", "generate.prefill_chunk=64")
     server = Server(tmp_path_factory.mktemp("frameworks"), f"model.path={serve_dir}", *overrides)
+    server.chat_extra = {}
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["kimi_k2", "k3twin"])
+def served(request):
+    """The serve checkpoint in Kimi-K2's format, and the 0.4B K3 twin in K3's (its requests turn thinking off)."""
+    return request.getfixturevalue("roomy" if request.param == "kimi_k2" else "server_k3_twin")
 
 
 class Trip(BaseModel):
@@ -58,13 +66,13 @@ class Recorder:
             assert set(body) <= names, (path, set(body) - names)
 
 
-def test_langchain_chat_openai_tools_and_structured_output(roomy):
+def test_langchain_chat_openai_tools_and_structured_output(served):
     from langchain_openai import ChatOpenAI
 
     rec = Recorder()
     llm = ChatOpenAI(
-        base_url=roomy.url, api_key="none", model=roomy.model, max_tokens=200, temperature=0, http_client=rec.client,
-        max_retries=0,
+        base_url=served.url, api_key="none", model=served.model, max_tokens=200, temperature=0, http_client=rec.client,
+        max_retries=0, extra_body=served.chat_extra or None,
     )  # fmt: skip
     assert isinstance(llm.invoke("Hi").content, str)
     called = llm.bind_tools([weather], tool_choice="required").invoke("Weather in Paris?")
@@ -78,17 +86,17 @@ def test_langchain_chat_openai_tools_and_structured_output(roomy):
     rec.declared()
 
 
-def test_instructor_tools_and_json_schema_modes(roomy):
+def test_instructor_tools_and_json_schema_modes(served):
     import instructor
     import openai
 
     rec = Recorder()
-    client = openai.OpenAI(base_url=roomy.url, api_key="none", http_client=rec.client, max_retries=0)
+    client = openai.OpenAI(base_url=served.url, api_key="none", http_client=rec.client, max_retries=0)
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
         patched = instructor.from_openai(client, mode=mode)
         trip = patched.chat.completions.create(
-            model=roomy.model, response_model=Trip, max_tokens=200, temperature=0, max_retries=0,
-            messages=[{"role": "user", "content": "Plan a trip"}],
+            model=served.model, response_model=Trip, max_tokens=200, temperature=0, max_retries=0,
+            messages=[{"role": "user", "content": "Plan a trip"}], extra_body=served.chat_extra,
         )  # fmt: skip
         assert isinstance(trip, Trip) and 1 <= trip.days <= 7, mode
     rec.declared()

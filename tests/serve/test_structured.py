@@ -1,9 +1,9 @@
-"""Structured outputs and tool calls through the real `openai` client, at world 1 and 2 in Kimi-K2's chat format and
-at world 1 in K3's, on random weights: JSON that validates against its schema and ends with `stop`, greedy and seeded,
-streamed and whole; the pydantic `parse` helper; vLLM's choice and regex; tool calls under `required` and a named
-tool whose arguments validate, streamed deltas adding up to the whole answer; a conversation with a tool result
-rendered as the format's template says; and free requests sharing a batch with constrained ones drawing what they
-draw alone."""
+"""Structured outputs and tool calls through the real `openai` client, at world 1 and 2 in Kimi-K2's chat format and in
+K3's (a small K3 model at world 1, the 0.4B K3 twin at world 2), on random weights: JSON that validates against its
+schema and ends with `stop`, greedy and seeded, streamed and whole; the pydantic `parse` helper; vLLM's choice and
+regex; tool calls under `required` and a named tool whose arguments validate, streamed deltas adding up to the whole
+answer; a conversation with a tool result rendered as the format's template says; and free requests sharing a batch
+with constrained ones drawing what they draw alone."""
 
 import asyncio
 import json
@@ -17,12 +17,13 @@ from pydantic import BaseModel, Field
 
 from k3dist.text.tokenizer import load_tokenizer
 
-SERVERS = {"world1": "server1", "world2": "server2", "k3": "server_k3"}
+SERVERS = {"world1": "server1", "world2": "server2", "k3": "server_k3", "k3twin": "server_k3_twin"}
+ON_THE_TWIN = pytest.param("k3twin", marks=pytest.mark.slow)  # the 0.4B K3 twin at world 2: the slow tier's
 
 
-@pytest.fixture(params=list(SERVERS))
+@pytest.fixture(params=["world1", "world2", "k3", ON_THE_TWIN])
 def server(request):
-    """The conftest's servers in Kimi-K2's format, and the one in K3's."""
+    """The conftest's servers in Kimi-K2's format, and the two in K3's (a small K3 model and the 0.4B twin)."""
     return request.getfixturevalue(SERVERS[request.param])
 
 
@@ -169,7 +170,7 @@ RENDERED = {  # the conversation below, as each format's template renders it (K3
 }
 
 
-@pytest.fixture(params=["world1", "k3"])
+@pytest.fixture(params=["world1", "k3", ON_THE_TWIN])
 def format_server(request):
     """One server in each chat format."""
     return request.getfixturevalue(SERVERS[request.param])
