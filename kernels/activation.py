@@ -14,8 +14,7 @@ with 1/beta rounded to fp32 first (1/4 is exact; 1/25 is 0.04f, where Moonshot d
 below anything the goldens resolve). The kernels compute exactly these fp32 operations in this order.
 """
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +40,20 @@ class SiTU:
 
     beta: float
     linear_beta: float
+    _inverses: tuple[float, float] = field(init=False, repr=False, compare=False)
     code = SITU_CODE
 
     def __post_init__(self):
         if not (self.beta > 0 and self.linear_beta > 0):
             raise ValueError(f"SiTU needs positive betas, got beta={self.beta}, linear_beta={self.linear_beta}")
-
-    @functools.cached_property
-    def inverses(self) -> tuple[float, float]:
-        """1/beta and 1/linear_beta rounded to fp32, as llama.cpp computes them (1.0f / beta); worked out once, not on
-        every call of a decode step."""
         one = torch.ones((), dtype=torch.float32)
-        return (one / self.beta).item(), (one / self.linear_beta).item()
+        object.__setattr__(self, "_inverses", ((one / self.beta).item(), (one / self.linear_beta).item()))
+
+    @property
+    def inverses(self) -> tuple[float, float]:
+        """1/beta and 1/linear_beta rounded to fp32, as llama.cpp computes them (1.0f / beta): worked out once, when
+        the value is made, not on every call of a decode step."""
+        return self._inverses
 
     def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
         inv, inv_linear = self.inverses
