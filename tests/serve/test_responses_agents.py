@@ -1,10 +1,10 @@
 """The OpenAI Agents SDK with its default model class (`OpenAIResponsesModel`) and nothing but the server's base URL
-runs an agent with a function tool at world 1, whole and streamed, in Kimi-K2's chat format and in K3's (its thinking
-off: `reasoning.effort` none): the tool is called with arguments of its schema, its output goes back to the model in
-the next request, and the run ends with a final output; an agent with an `output_type` gets one. Every body the SDK
-sends is recorded and held to the route's declared schema. And the store's bounds, live: a server keeping 4
-responses and 24 KiB of them evicts the oldest past either bound, answers 404 naming an evicted id, and keeps
-nothing larger than itself.
+runs an agent with a function tool at world 1, whole and streamed, in Kimi-K2's chat format and in K3's (its
+thinking off: `reasoning.effort` none; a small K3 model, and the 0.4B K3 twin in the slow tier): the tool is called
+with arguments of its schema, its output goes back to the model in the next request, and the run ends with a final
+output; an agent with an `output_type` gets one. Every body the SDK sends is recorded and held to the route's
+declared schema. And the store's bounds, live: a server keeping 4 responses and 24 KiB of them evicts the oldest
+past either bound, answers 404 naming an evicted id, and keeps nothing larger than itself.
 
 The weights are random: the grammar holds the first turn to a call of the tool (`tool_choice="required"`), and a
 logit bias on the end-of-text token against a bias on one word's token, worn down by a frequency penalty, ends the
@@ -55,13 +55,16 @@ class Recorder:
         self.bodies.append(json.loads(await request.aread()))
 
 
-def _ending(roomy) -> dict:
+def _ending(roomy, *closers: str) -> dict:
     """Extra body fields that end a free answer after a few words on any weights: a word's token pushed up by 100,
-    worn down by 2 each time it is chosen, the end-of-text token by 95."""
-    word = httpx.post(f"{roomy.base}/tokenize", json={"prompt": "sunny"}, timeout=30).json()["tokens"][0]
+    worn down by 2 each time it is chosen, the end-of-text token by 95, and so the first token of each of `closers`
+    (what the format's grammar wants before the end)."""
+
+    def first(text: str) -> str:
+        return str(httpx.post(f"{roomy.base}/tokenize", json={"prompt": text}, timeout=30).json()["tokens"][0])
+
     eos = httpx.get(f"{roomy.base}/tokenizer_info", timeout=30).json()["eos_token"]
-    eos_id = httpx.post(f"{roomy.base}/tokenize", json={"prompt": eos}, timeout=30).json()["tokens"][0]
-    return {"logit_bias": {str(word): 100, str(eos_id): 95}, "frequency_penalty": 2.0}
+    return {"logit_bias": {first("sunny"): 100} | {first(t): 95 for t in (eos, *closers)}, "frequency_penalty": 2.0}
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
@@ -73,11 +76,18 @@ def test_an_agent_with_a_function_tool_runs_in_k3s_format(server_k3):
     _weather_agent(server_k3, streamed=True, reasoning=Reasoning(effort="none"))
 
 
-def _weather_agent(roomy, streamed: bool, **more) -> None:
+@pytest.mark.slow
+def test_an_agent_with_a_function_tool_runs_on_the_k3_twin(server_k3_twin):
+    """The 0.4B K3 twin at world 2. Its vocabulary holds K3's tags as single tokens, and with tools declared K3's
+    grammar ends an answer only after it closes the response tag: that tag's token gets the end's bias too."""
+    _weather_agent(server_k3_twin, streamed=True, closers=("<|close|>",), reasoning=Reasoning(effort="none"))
+
+
+def _weather_agent(roomy, streamed: bool, closers: tuple[str, ...] = (), **more) -> None:
     set_tracing_disabled(True)
     rec = Recorder()
     client = AsyncOpenAI(base_url=roomy.url, api_key="none", http_client=rec.client, max_retries=0)
-    ending = _ending(roomy)
+    ending = _ending(roomy, *closers)
     settings = ModelSettings(
         tool_choice="required", parallel_tool_calls=False, temperature=0, extra_body=ending, **more
     )
