@@ -47,7 +47,7 @@ inline __m512bh load_bf16(const c10::BFloat16* p, int64_t n) {  // up to 32 bf16
 }
 
 template <int G>
-inline void dots_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, float* y, int64_t N) {
+inline void dots_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, c10::BFloat16* y, int64_t N) {
   __m512 a0[G], a1[G];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -69,12 +69,65 @@ inline void dots_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K,
     }
   }
 #pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) y[g * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[g], a1[g]));
+  for (int g = 0; g < G; ++g) y[g * N] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[g], a1[g])));
 }
 
-void rows_bf16(const c10::BFloat16* w, const c10::BFloat16* x, float* y, int64_t M, int64_t N, int64_t K) {
+// dots_bf16<G> for four weight rows at once (rows r .. r + 3, K apart), their loads interleaved: four streams from
+// the memory in flight instead of one, which a batch of one or two rows needs to read near the memory's rate. Each
+// (weight row, x row) sums in the same two chains and the same order as dots_bf16's.
+template <int G>
+inline void dots_bf16_4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, c10::BFloat16* y, int64_t N) {
+  __m512 a0[4][G], a1[4][G];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) a0[j][g] = a1[j][g] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= K; i += 64) {
+    __m512bh x0[G], x1[G];
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) {
+      x0[g] = (__m512bh)_mm512_loadu_si512(x + g * K + i);
+      x1[g] = (__m512bh)_mm512_loadu_si512(x + g * K + i + 32);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w + j * K + i);
+      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w + j * K + i + 32);
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) {
+        a0[j][g] = _mm512_dpbf16_ps(a0[j][g], x0[g], v0);
+        a1[j][g] = _mm512_dpbf16_ps(a1[j][g], x1[g], v1);
+      }
+    }
+  }
+  if (i < K) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh v0 = load_bf16(w + j * K + i, K - i), v1 = load_bf16(w + j * K + i + 32, K - i - 32);
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) {
+        a0[j][g] = _mm512_dpbf16_ps(a0[j][g], load_bf16(x + g * K + i, K - i), v0);
+        a1[j][g] = _mm512_dpbf16_ps(a1[j][g], load_bf16(x + g * K + i + 32, K - i - 32), v1);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) y[g * N + j] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[j][g], a1[j][g])));
+}
+
+void rows_bf16(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+    int64_t r = begin;
+    if (M <= 2) {  // few rows of x: four weight rows at a time
+      for (; r + 4 <= end; r += 4) {
+        if (M == 2) dots_bf16_4<2>(w + r * K, x, K, y + r, N);
+        else dots_bf16_4<1>(w + r * K, x, K, y + r, N);
+      }
+    }
+    for (; r < end; ++r) {
       const c10::BFloat16* row = w + r * K;
       int64_t m = 0;
       for (; m + 8 <= M; m += 8) dots_bf16<8>(row, x + m * K, K, y + m * N + r, N);
@@ -94,9 +147,9 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
 #if defined(__AVX512BF16__)
   if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
     auto xc = x.contiguous();
-    auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-    rows_bf16(w.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>(), y.data_ptr<float>(), M, N, K);
-    return y.to(x.scalar_type());
+    auto y = at::empty({M, N}, x.options());  // each fp32 sum rounded to bf16 as it is stored, as .to() rounds it
+    rows_bf16(w.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), M, N, K);
+    return y;
   }
 #endif
   auto xf = x.to(at::kFloat).contiguous();
