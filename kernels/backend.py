@@ -2,8 +2,8 @@
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
 ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, the routed
-experts for any token count (dense or MXFP4-packed weights), a one-row int8 GEMV, decode rows' GEMV and the logits'
-top-k with their log-sum-exp for the CPU.
+experts for any token count (dense or MXFP4-packed weights), a one-row int8 GEMV, decode rows' GEMV, the logits'
+top-k with their log-sum-exp, the RMSNorm and K3's mixing site for the CPU.
 `auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports (Triton: a version the kernels
 ran on, compat.TRITON_MINIMUM), else the references. The model
 receives a `Kernels` the way it receives its `TPComm`, and never asks again.
@@ -16,7 +16,7 @@ import torch
 
 from k3dist.base import compat
 from k3dist.base.errors import K3Error
-from k3dist.kernels import kda_fused, mla
+from k3dist.kernels import kda_fused, mla, norm
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Kernels:
     linear_rows: Callable | None = None  # cpu_ops.linear_rows' (decode rows); None: F.linear (model/linear.py)
     # cpu_ops.moe_experts' (moe_triton.moe_experts'): routed experts, dense or packed; None: kernels/moe.py's paths
     moe_experts: Callable | None = None
+    rmsnorm: Callable = norm.rmsnorm  # KimiRMSNorm (cpu_ops.rmsnorm: one op)
+    res_mix: Callable = norm.res_mix  # K3's mixing site (cpu_ops.res_mix: one op)
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -53,6 +55,8 @@ def _cpu() -> Kernels | None:
         mla_absorbed=cpu_ops.mla_absorbed,
         linear_rows=cpu_ops.linear_rows,
         moe_experts=cpu_ops.moe_experts,
+        rmsnorm=cpu_ops.rmsnorm,
+        res_mix=cpu_ops.res_mix,
     )
 
 

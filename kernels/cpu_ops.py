@@ -31,6 +31,7 @@ SOURCES = (
     "topk_lse.cpp",
     "mla_decode.cpp",
     "linear_rows.cpp",
+    "norms.cpp",
 )
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
 
@@ -96,6 +97,8 @@ def _register_fakes() -> None:
         "topk_lse": _topk_lse_fake,
         "mla_decode": _mla_fake,
         "linear_rows": _linear_rows_fake,
+        "rmsnorm": _rmsnorm_fake,
+        "res_mix": _res_mix_fake,
     }
     for name, fake in fakes.items():
         try:
@@ -122,6 +125,14 @@ def _int8_fake(x, q, scales):
 
 def _linear_rows_fake(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _rmsnorm_fake(x, weight, eps):
+    return x.new_empty(x.shape, dtype=x.dtype if x.dtype == weight.dtype else torch.float32)  # fp32, bf16, fp16 mixed
+
+
+def _res_mix_fake(candidates, score, eps):
+    return candidates[0].new_empty(candidates[0].shape)
 
 
 def _topk_lse_fake(logits, k):
@@ -225,6 +236,20 @@ def linear_rows(x, w):
     """x [M, K] (M <= 16, decode rows) times a contiguous bf16, fp16 or fp32 weight w [N, K]: [M, N] in x's dtype, as
     F.linear computes it, reading the weight once at the memory bandwidth where oneDNN has no units for its dtype."""
     return torch.ops.k3dist.linear_rows(x, w)
+
+
+def rmsnorm(x, weight, eps: float):
+    """kernels/norm.py's rmsnorm as one op: weight * (x * rsqrt(mean(x^2) + eps)) in fp32, the normalised row rounded
+    to x's dtype before the weight, the product in the promoted dtype."""
+    return torch.ops.k3dist.rmsnorm(x, weight, eps)
+
+
+def res_mix(p, bank: tuple, score, eps: float):
+    """kernels/norm.py's res_mix as one op (the bank's snapshots and p, all fp32 [..., D]; p itself while the bank is
+    empty)."""
+    if not bank:
+        return p
+    return torch.ops.k3dist.res_mix([*bank, p], score, eps)
 
 
 def topk_lse(logits, k: int):

@@ -87,11 +87,18 @@ def build_model(
         )
         norms = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
         sites = (
-            BlockResiduals(site(p + "self_attention"), site(p + "mlp"), spec.index % block == 0, cfg.rms_norm_eps)
+            BlockResiduals(
+                site(p + "self_attention"),
+                site(p + "mlp"),
+                spec.index % block == 0,
+                cfg.rms_norm_eps,
+                kernels.res_mix,
+                kernels.rmsnorm,
+            )
             if block
             else None
         )
-        layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps, sites))
+        layers.append(DecoderLayer(spec, mixer, mlp, *norms, cfg.rms_norm_eps, sites, kernels.rmsnorm))
     embed, norm, head = w("model.embed_tokens.weight"), w("model.norm.weight"), lin("lm_head.weight")
     out_score = site("model.output_attn") if block else None
     return K3Model(

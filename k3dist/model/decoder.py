@@ -14,7 +14,7 @@ from torch import Tensor
 from ..base.threads import ThreadGovernor
 from ..config import LayerSpec
 from .layers import rmsnorm
-from .residuals import BlockResiduals, mix
+from .residuals import BlockResiduals
 
 
 class DecoderLayer:
@@ -30,15 +30,17 @@ class DecoderLayer:
         norm_post: Tensor,
         eps: float,
         residuals: BlockResiduals | None = None,
+        norm=rmsnorm,
     ):
-        self.spec, self.mixer, self.mlp = spec, mixer, mlp
+        """`norm`: the backend's RMSNorm (Kernels.rmsnorm)."""
+        self.spec, self.mixer, self.mlp, self.norm = spec, mixer, mlp, norm
         self.norm_in, self.norm_post, self.eps, self.residuals = norm_in, norm_post, eps, residuals
 
     def _run(self, h, mixer, mlp, dtype: torch.dtype):
         if self.residuals is not None:
             return self.residuals.layer(h, mixer, mlp, self.norm_in, self.norm_post, dtype)
-        h = h + mixer(rmsnorm(h, self.norm_in, self.eps).to(dtype))
-        return h + mlp(rmsnorm(h, self.norm_post, self.eps))
+        h = h + mixer(self.norm(h, self.norm_in, self.eps).to(dtype))
+        return h + mlp(self.norm(h, self.norm_post, self.eps))
 
     def prefill(self, h, slots: Tensor, start: int, dtype: torch.dtype):
         return self._run(h, lambda x: self.mixer.prefill(x, slots, start), self.mlp.prefill, dtype)
@@ -81,7 +83,7 @@ class K3Model:
 
     def logits(self, h: Tensor) -> Tensor:
         """This rank's logits [..., V_local] of final hidden states [..., D] (fp32)."""
-        return self.head(rmsnorm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype))
+        return self.head(self.kernels.rmsnorm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype))
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, slots: Tensor, start: int, all_logits: bool = False) -> Tensor:
@@ -113,7 +115,7 @@ class K3Model:
         if self.out_score is None:
             return h
         p, bank = h
-        return mix(p, bank, self.out_score, self.cfg.rms_norm_eps)
+        return self.kernels.res_mix(p, bank, self.out_score, self.cfg.rms_norm_eps)
 
     def decode(self, tokens: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
         """The static step's model part: tokens [B] at positions [B] (device tensors) -> logits [B, V_local].

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
 from ..kernels.mxfp4 import PackedExperts
 from ..weights.tp_plan import shard_range
-from .layers import Binding, gated_mlp, rmsnorm
+from .layers import Binding, gated_mlp
 from .moe import route
 
 
@@ -57,7 +57,7 @@ class LatentMoE:
             self._decode = None
         shared = prefix + "shared_experts."
         self.shared = lin(shared + "gate_up_proj.weight"), lin(shared + "down_proj.weight")
-        self.comm, self.dtype, self.act = b.comm, b.dtype, b.act
+        self.comm, self.dtype, self.act, self.kernels = b.comm, b.dtype, b.act, b.kernels
 
     def _forward(self, x: Tensor, experts) -> Tensor:
         """x: [..., D] normed (the router reads it as fp32, the projections in the compute dtype)."""
@@ -67,7 +67,7 @@ class LatentMoE:
         flat = flat.to(self.dtype)
         z = self.comm.gather_columns(self.down(flat))
         y = self.comm.all_reduce(experts(z, ids, weights))  # [N, Z] fp32: the experts' combine, whole
-        y = rmsnorm(y, self.norm, self.eps).to(self.dtype)
+        y = self.kernels.rmsnorm(y, self.norm, self.eps).to(self.dtype)
         if self.comm.world > 1:  # `up` reads this rank's latent columns
             y = y[:, self.latent].contiguous()
         out = self.up(y).float()

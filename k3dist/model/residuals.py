@@ -12,45 +12,39 @@ cache for it and a prefix snapshot restores K3's state as it restores Kimi-Linea
 replicated on every rank.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .layers import rmsnorm
+from ..kernels.norm import res_mix, rmsnorm
 
 Stream = tuple[Tensor, tuple[Tensor, ...]]  # (the stream p, the bank of block snapshots), all [..., D] fp32
 
 
-def mix(p: Tensor, bank: tuple[Tensor, ...], score: Tensor, eps: float) -> Tensor:
-    """The site's mixture of the bank's snapshots and p (p itself while the bank is empty)."""
-    if not bank:
-        return p
-    candidates = torch.stack((*bank, p))  # [n + 1, ..., D]
-    logits = (F.rms_norm(candidates, candidates.shape[-1:], eps=eps) * score).sum(-1)
-    return (logits.softmax(0).unsqueeze(-1) * candidates).sum(0)
-
-
 @dataclass(frozen=True)
 class BlockResiduals:
-    """What one K3 decoder layer mixes: its two sites' folded vectors, and whether it starts a block (`banked`)."""
+    """What one K3 decoder layer mixes: its two sites' folded vectors, and whether it starts a block (`banked`); the
+    backend's norm and mixing site (kernels/norm.py's references, or the CPU ops)."""
 
     mixer_score: Tensor  # [D] fp32
     mlp_score: Tensor
     banked: bool
     eps: float
+    mix: Callable = res_mix
+    norm: Callable = rmsnorm
 
     def layer(self, stream: Stream, mixer, mlp, norm_in: Tensor, norm_post: Tensor, dtype: torch.dtype) -> Stream:
         """One layer over the stream: `mixer` and `mlp` take the normed input and return fp32 (summed over ranks)."""
         p, bank = stream
-        h = mix(p, bank, self.mixer_score, self.eps)
+        h = self.mix(p, bank, self.mixer_score, self.eps)
         if self.banked:
             bank = (*bank, p)
-        a = mixer(rmsnorm(h, norm_in, self.eps).to(dtype))
+        a = mixer(self.norm(h, norm_in, self.eps).to(dtype))
         p = a if self.banked else p + a
-        h = mix(p, bank, self.mlp_score, self.eps)
-        return p + mlp(rmsnorm(h, norm_post, self.eps)), bank
+        h = self.mix(p, bank, self.mlp_score, self.eps)
+        return p + mlp(self.norm(h, norm_post, self.eps)), bank
 
 
 def folded(norm: Tensor, proj: Tensor) -> Tensor:
