@@ -9,7 +9,7 @@ from k3dist.kernels import cpu_ops, kda, kda_fused, mla
 from k3dist.kernels.backend import select
 from k3dist.kernels.conv import causal_conv_prefill
 from k3dist.kernels.moe import experts_gathered
-from k3dist.kernels.norm import gated_rmsnorm
+from k3dist.kernels.norm import gated_rmsnorm, res_mix, rmsnorm
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=f"CPU ops do not build: {cpu_ops.build_error()}")
 
@@ -361,7 +361,7 @@ def test_a_short_piece_after_a_past_attends_as_decode_does(start, T, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
-    "M, N, K", [(1, 300, 1024), (3, 70, 37), (16, 33, 96), (7, 50, 1000), (13, 40, 100), (5, 64, 32)]
+    "M, N, K", [(1, 300, 1024), (2, 301, 100), (3, 70, 37), (16, 33, 96), (7, 50, 1000), (13, 40, 100), (5, 64, 32)]
 )
 def test_linear_rows_equal_fp32_sums_rounded_once_and_each_row_alone(M, N, K, dtype):
     """Decode rows' GEMV: what F.linear computes (fp32 sums of the weight's values, one rounding to x's dtype), and a
@@ -375,3 +375,42 @@ def test_linear_rows_equal_fp32_sums_rounded_once_and_each_row_alone(M, N, K, dt
     assert ((got.double() - want).abs() <= want.abs() * ulp + 1e-6 * want.abs().max()).all()
     for m in range(M):
         assert torch.equal(cpu_ops.linear_rows(x[m : m + 1], w), got[m : m + 1])
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, weight_dtype",
+    [
+        ((1, 1024), torch.float32, torch.bfloat16),  # the residual stream, a bf16 checkpoint's weight
+        ((600, 1024), torch.float32, torch.bfloat16),  # a prefill chunk: rows on several threads
+        ((3, 5, 384), torch.bfloat16, torch.bfloat16),
+        ((7, 100), torch.float16, torch.float16),
+        ((4, 37), torch.float32, torch.float32),
+    ],
+)
+def test_the_rmsnorm_op_meets_the_reference_and_each_row_is_alone(shape, dtype, weight_dtype):
+    """KimiRMSNorm as one op: the reference's dtype and shape, within rounding of it (another summation order), and a
+    row's result bit for bit the same whatever rows come with it."""
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = (3 * torch.randn(shape, generator=g)).to(dtype), torch.randn(shape[-1], generator=g).to(weight_dtype)
+    got, want = cpu_ops.rmsnorm(x, w, 1e-5), rmsnorm(x, w, 1e-5)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[dtype]
+    assert (got.float() - want.float()).abs().max() <= ulp * want.float().abs().max()
+    rows = x.reshape(-1, shape[-1])
+    assert torch.equal(cpu_ops.rmsnorm(rows[-1:], w, 1e-5), got.reshape(-1, shape[-1])[-1:])
+
+
+@pytest.mark.parametrize("banked", [0, 1, 4])
+def test_the_mixing_site_op_meets_the_reference(banked):
+    """K3's mixing site as one op: p itself while the bank is empty, else within rounding of the reference's
+    softmax mixture, a row's result the same alone."""
+    g = torch.Generator().manual_seed(banked)
+    bank = tuple(torch.randn(5, 256, generator=g) for _ in range(banked))
+    p, score = torch.randn(5, 256, generator=g), torch.randn(256, generator=g)
+    got = cpu_ops.res_mix(p, bank, score, 1e-5)
+    if not banked:
+        assert got is p
+        return
+    want = res_mix(p, bank, score, 1e-5)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(cpu_ops.res_mix(p[2:3], tuple(b[2:3] for b in bank), score, 1e-5), got[2:3])
