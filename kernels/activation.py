@@ -75,3 +75,9 @@ def from_config(hidden_act: str, beta: float | None = None, linear_beta: float |
             raise ValueError("hidden_act=situ needs activation_situ_beta and activation_situ_linear_beta")
         return SiTU(float(beta), float(linear_beta))
     raise ValueError(f"hidden_act={hidden_act!r} is not supported (silu, situ)")
+
+
+def glu(gate_up: Tensor, act: Activation) -> Tensor:
+    """act(gate, up) of a gate_up projection's output [..., 2I]: the gate rows' outputs, then the up rows'."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate, up)

@@ -3,7 +3,7 @@
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
 ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, the routed
 experts for any token count (dense or MXFP4-packed weights), a one-row int8 GEMV, decode rows' GEMV, the logits'
-top-k with their log-sum-exp, the RMSNorm and K3's mixing site for the CPU.
+top-k with their log-sum-exp, the RMSNorm, K3's mixing site and the MLPs' gated activation for the CPU.
 `auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports (Triton: a version the kernels
 ran on, compat.TRITON_MINIMUM), else the references. The model
 receives a `Kernels` the way it receives its `TPComm`, and never asks again.
@@ -16,7 +16,7 @@ import torch
 
 from k3dist.base import compat
 from k3dist.base.errors import K3Error
-from k3dist.kernels import kda_fused, mla, norm
+from k3dist.kernels import activation, kda_fused, mla, norm
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Kernels:
     moe_experts: Callable | None = None
     rmsnorm: Callable = norm.rmsnorm  # KimiRMSNorm (cpu_ops.rmsnorm: one op)
     res_mix: Callable = norm.res_mix  # K3's mixing site (cpu_ops.res_mix: one op)
+    glu: Callable = activation.glu  # a gated MLP's activation (cpu_ops.glu: one op)
 
 
 TORCH = Kernels("torch", kda_fused.kda_decode_fused, mla.mla_decode)
@@ -57,6 +58,7 @@ def _cpu() -> Kernels | None:
         moe_experts=cpu_ops.moe_experts,
         rmsnorm=cpu_ops.rmsnorm,
         res_mix=cpu_ops.res_mix,
+        glu=cpu_ops.glu,
     )
 
 

@@ -32,6 +32,7 @@ SOURCES = (
     "mla_decode.cpp",
     "linear_rows.cpp",
     "norms.cpp",
+    "glu.cpp",
 )
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings
 
@@ -99,6 +100,7 @@ def _register_fakes() -> None:
         "linear_rows": _linear_rows_fake,
         "rmsnorm": _rmsnorm_fake,
         "res_mix": _res_mix_fake,
+        "glu": _glu_fake,
     }
     for name, fake in fakes.items():
         try:
@@ -129,6 +131,10 @@ def _linear_rows_fake(x, w):
 
 def _rmsnorm_fake(x, weight, eps):
     return x.new_empty(x.shape, dtype=x.dtype if x.dtype == weight.dtype else torch.float32)  # fp32, bf16, fp16 mixed
+
+
+def _glu_fake(gate_up, act, beta, linear_beta):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def _res_mix_fake(candidates, score, eps):
@@ -242,6 +248,12 @@ def rmsnorm(x, weight, eps: float):
     """kernels/norm.py's rmsnorm as one op: weight * (x * rsqrt(mean(x^2) + eps)) in fp32, the normalised row rounded
     to x's dtype before the weight, the product in the promoted dtype."""
     return torch.ops.k3dist.rmsnorm(x, weight, eps)
+
+
+def glu(gate_up, act: Activation):
+    """kernels/activation.py's glu as one op: act(gate, up) of a gate_up projection's output [..., 2I] (gate rows,
+    then up rows), in its dtype."""
+    return torch.ops.k3dist.glu(gate_up, *_act(act))
 
 
 def res_mix(p, bank: tuple, score, eps: float):

@@ -71,7 +71,7 @@ class LatentMoE:
         if self.comm.world > 1:  # `up` reads this rank's latent columns
             y = y[:, self.latent].contiguous()
         out = self.up(y).float()
-        out = out + gated_mlp(flat, *self.shared, self.act).float()
+        out = out + gated_mlp(flat, *self.shared, self.act, self.kernels.glu).float()
         return self.comm.all_reduce(out).view(shape)
 
     def decode(self, x: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..config import KIMI_K3, ModelConfig
 from ..kernels.activation import SILU, Activation, from_config
+from ..kernels.activation import glu as activation_glu
 from ..kernels.backend import Kernels
 from ..kernels.norm import gated_rmsnorm, rmsnorm
 from .tp import TPComm
@@ -38,8 +39,7 @@ def activation_of(cfg: ModelConfig) -> Activation:
     return from_config("situ", cfg.situ_beta, cfg.situ_linear_beta) if cfg.variant == KIMI_K3 else SILU
 
 
-def gated_mlp(x: Tensor, gate_up, down, act: Activation = SILU) -> Tensor:
+def gated_mlp(x: Tensor, gate_up, down, act: Activation = SILU, glu=activation_glu) -> Tensor:
     """down(act(gate x, up x)); `gate_up` holds the gate rows then the up rows ([2I, D], column-parallel).
-    The weights are model/linear.py's Linear (or Int8Linear) objects."""
-    gate, up = gate_up(x).chunk(2, dim=-1)
-    return down(act(gate, up))
+    The weights are model/linear.py's Linear (or Int8Linear) objects; `glu` the backend's (Kernels.glu)."""
+    return down(glu(gate_up(x), act))

@@ -141,9 +141,9 @@ class DenseMLP:
 
     def __init__(self, b: Binding, prefix: str):
         self.gate_up, self.down = b.linear(prefix + "gate_up_proj.weight"), b.linear(prefix + "down_proj.weight")
-        self.comm, self.dtype, self.act = b.comm, b.dtype, b.act
+        self.comm, self.dtype, self.act, self.glu = b.comm, b.dtype, b.act, b.kernels.glu
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(gated_mlp(x.to(self.dtype), self.gate_up, self.down, self.act).float())
+        return self.comm.all_reduce(gated_mlp(x.to(self.dtype), self.gate_up, self.down, self.act, self.glu).float())
 
     decode = prefill = __call__

@@ -27,11 +27,14 @@
 #include <optional>
 #include <vector>
 
+#include "act.h"
 #include "mxfp4.h"
 
 namespace {
 
 using k3::rnd;
+using k3::Silu;
+using k3::Situ;
 using k3::Vec;
 
 
@@ -123,38 +126,6 @@ struct RowDots {
     for (; g0 + GB <= c; g0 += GB) run<GB>(g0, nr);
     for (; g0 + 2 <= c; g0 += 2) run<2>(g0, nr);
     for (; g0 < c; ++g0) run<1>(g0, nr);
-  }
-};
-
-template <typename F>
-void zip(float* a, const float* b, int64_t n, F f) {  // a = f(a, b) elementwise, a vector at a time
-  for (int64_t j = 0; j < n; j += k3::W) {
-    const int64_t m = std::min<int64_t>(k3::W, n - j);
-    f(Vec::loadu(a + j, m), Vec::loadu(b + j, m)).store(a + j, m);
-  }
-}
-
-// The activations, over n gate values g (overwritten with the result) and their up values u, both already rounded
-// to the compute dtype; ATen's vector exp and tanh, as torch's own CPU kernels use.
-template <typename T>
-struct Silu {  // torch's F.silu(gate) * up in the compute dtype
-  void operator()(float* g, const float* u, int64_t n) const {
-    k3::vmap(g, n, [](Vec x) { return x / (Vec(1.0f) + x.neg().exp()); });
-    k3::round_to<T>(g, n);
-    zip(g, u, n, [](Vec a, Vec b) { return a * b; });
-    k3::round_to<T>(g, n);
-  }
-};
-
-template <typename T>
-struct Situ {  // activation.py's SiTU: fp32, llama.cpp's operations in its order, rounded once
-  float beta, inv, linear_beta, linear_inv;
-  void operator()(float* g, const float* u, int64_t n) const {
-    const Vec b(beta), i(inv), lb(linear_beta), li(linear_inv), one(1.0f);
-    zip(g, u, n, [&](Vec x, Vec y) {
-      return (x * i).tanh() * b * (one / (one + x.neg().exp())) * ((y * li).tanh() * lb);
-    });
-    k3::round_to<T>(g, n);
   }
 };
 

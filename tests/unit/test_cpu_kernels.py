@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from k3dist.kernels import cpu_ops, kda, kda_fused, mla
+from k3dist.kernels.activation import SILU, SiTU, glu
 from k3dist.kernels.backend import select
 from k3dist.kernels.conv import causal_conv_prefill
 from k3dist.kernels.moe import experts_gathered
@@ -414,3 +415,18 @@ def test_the_mixing_site_op_meets_the_reference(banked):
     want = res_mix(p, bank, score, 1e-5)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert torch.equal(cpu_ops.res_mix(p[2:3], tuple(b[2:3] for b in bank), score, 1e-5), got[2:3])
+
+
+@pytest.mark.parametrize("act", [SILU, SiTU(4.0, 25.0)], ids=["silu", "situ"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_the_glu_op_is_the_activation_of_gate_and_up(act, dtype, rows):
+    """A gated MLP's activation as one op: the reference's dtype and shape, within one rounding of it (its vector
+    exp and tanh may differ from torch's in the last bit), and a row's result the same alone."""
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (4 * torch.randn(rows, 2 * 72, generator=g)).to(dtype)
+    got, want = cpu_ops.glu(gate_up, act), glu(gate_up, act)
+    assert got.dtype == want.dtype and got.shape == want.shape == (rows, 72)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[dtype]
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()
+    assert torch.equal(cpu_ops.glu(gate_up[-1:], act), got[-1:])
