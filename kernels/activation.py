@@ -40,20 +40,16 @@ class SiTU:
 
     beta: float
     linear_beta: float
-    _inverses: tuple[float, float] = field(init=False, repr=False, compare=False)
+    # 1/beta and 1/linear_beta rounded to fp32, as llama.cpp computes them (1.0f / beta): worked out once, when the
+    # value is made, not on every call of a decode step
+    inverses: tuple[float, float] = field(init=False, repr=False, compare=False)
     code = SITU_CODE
 
     def __post_init__(self):
         if not (self.beta > 0 and self.linear_beta > 0):
             raise ValueError(f"SiTU needs positive betas, got beta={self.beta}, linear_beta={self.linear_beta}")
         one = torch.ones((), dtype=torch.float32)
-        object.__setattr__(self, "_inverses", ((one / self.beta).item(), (one / self.linear_beta).item()))
-
-    @property
-    def inverses(self) -> tuple[float, float]:
-        """1/beta and 1/linear_beta rounded to fp32, as llama.cpp computes them (1.0f / beta): worked out once, when
-        the value is made, not on every call of a decode step."""
-        return self._inverses
+        object.__setattr__(self, "inverses", ((one / self.beta).item(), (one / self.linear_beta).item()))
 
     def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
         inv, inv_linear = self.inverses

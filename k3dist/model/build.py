@@ -93,7 +93,6 @@ def build_model(
                 spec.index % block == 0,
                 cfg.rms_norm_eps,
                 kernels.res_mix,
-                kernels.rmsnorm,
             )
             if block
             else None

@@ -7,6 +7,8 @@ Two entry points with the cache each layer owns: `prefill` (chunks of prompt tok
 dtype: each norm reads it unrounded, so low-precision runs drift less from fp32 (and pick the same experts).
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,15 +34,15 @@ class DecoderLayer:
         residuals: BlockResiduals | None = None,
         norm=rmsnorm,
     ):
-        """`norm`: the backend's RMSNorm (Kernels.rmsnorm)."""
-        self.spec, self.mixer, self.mlp, self.norm = spec, mixer, mlp, norm
-        self.norm_in, self.norm_post, self.eps, self.residuals = norm_in, norm_post, eps, residuals
+        """`norm`: the backend's RMSNorm (Kernels.rmsnorm), bound here to the layer's two weights."""
+        self.spec, self.mixer, self.mlp, self.residuals = spec, mixer, mlp, residuals
+        self.norm_in, self.norm_post = (partial(norm, weight=w, eps=eps) for w in (norm_in, norm_post))
 
     def _run(self, h, mixer, mlp, dtype: torch.dtype):
         if self.residuals is not None:
             return self.residuals.layer(h, mixer, mlp, self.norm_in, self.norm_post, dtype)
-        h = h + mixer(self.norm(h, self.norm_in, self.eps).to(dtype))
-        return h + mlp(self.norm(h, self.norm_post, self.eps))
+        h = h + mixer(self.norm_in(h).to(dtype))
+        return h + mlp(self.norm_post(h))
 
     def prefill(self, h, slots: Tensor, start: int, dtype: torch.dtype):
         return self._run(h, lambda x: self.mixer.prefill(x, slots, start), self.mlp.prefill, dtype)

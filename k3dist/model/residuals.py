@@ -18,33 +18,33 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.norm import res_mix, rmsnorm
+from ..kernels.norm import res_mix
 
 Stream = tuple[Tensor, tuple[Tensor, ...]]  # (the stream p, the bank of block snapshots), all [..., D] fp32
 
 
 @dataclass(frozen=True)
 class BlockResiduals:
-    """What one K3 decoder layer mixes: its two sites' folded vectors, and whether it starts a block (`banked`); the
-    backend's norm and mixing site (kernels/norm.py's references, or the CPU ops)."""
+    """What one K3 decoder layer mixes: its two sites' folded vectors, whether it starts a block (`banked`), and the
+    backend's mixing site (kernels/norm.py's reference, or the CPU op)."""
 
     mixer_score: Tensor  # [D] fp32
     mlp_score: Tensor
     banked: bool
     eps: float
     mix: Callable = res_mix
-    norm: Callable = rmsnorm
 
-    def layer(self, stream: Stream, mixer, mlp, norm_in: Tensor, norm_post: Tensor, dtype: torch.dtype) -> Stream:
-        """One layer over the stream: `mixer` and `mlp` take the normed input and return fp32 (summed over ranks)."""
+    def layer(self, stream: Stream, mixer, mlp, norm_in: Callable, norm_post: Callable, dtype: torch.dtype) -> Stream:
+        """One layer over the stream: `mixer` and `mlp` take the normed input (the layer's `norm_in` and `norm_post`)
+        and return fp32 (summed over ranks)."""
         p, bank = stream
         h = self.mix(p, bank, self.mixer_score, self.eps)
         if self.banked:
             bank = (*bank, p)
-        a = mixer(self.norm(h, norm_in, self.eps).to(dtype))
+        a = mixer(norm_in(h).to(dtype))
         p = a if self.banked else p + a
         h = self.mix(p, bank, self.mlp_score, self.eps)
-        return p + mlp(self.norm(h, norm_post, self.eps)), bank
+        return p + mlp(norm_post(h)), bank
 
 
 def folded(norm: Tensor, proj: Tensor) -> Tensor:

@@ -22,8 +22,7 @@ void rows(const T* gu, T* out, int64_t N, int64_t I, const Act& act) {
       for (int64_t i = 0; i < I; ++i) out[r * I + i] = static_cast<T>(g[i]);  // values of T already: exact
     }
   };
-  if (N < 16) return run(0, N);
-  at::parallel_for(0, N, 8, run);
+  at::parallel_for(0, N, 16, run);  // a decode step's few rows run on the calling thread
 }
 
 // gate_up [..., 2I] (the gate rows' outputs, then the up rows') in the compute dtype -> act(gate, up) [..., I]
@@ -36,17 +35,11 @@ at::Tensor glu(const at::Tensor& gate_up, int64_t act, double beta, double linea
   auto out = at::empty(sizes, gu.options());
   TORCH_CHECK(act == 0 || (act == 1 && beta > 0 && linear_beta > 0), "glu: act 0 (SiLU) or 1 (SiTU, positive betas)");
   const float b = static_cast<float>(beta), lb = static_cast<float>(linear_beta);
-  auto run = [&](auto t) {
+  k3::by_compute_dtype(gu.scalar_type(), "glu", [&](auto t) {
     using T = decltype(t);
     if (act == 0) rows(gu.data_ptr<T>(), out.data_ptr<T>(), N, I, k3::Silu<T>{});
     else rows(gu.data_ptr<T>(), out.data_ptr<T>(), N, I, k3::Situ<T>{b, 1.0f / b, lb, 1.0f / lb});
-  };
-  switch (gu.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "glu: fp32, bf16 or fp16, not ", gu.scalar_type());
-  }
+  });
   return out;
 }
 

@@ -46,66 +46,34 @@ inline __m512bh load_bf16(const c10::BFloat16* p, int64_t n) {  // up to 32 bf16
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
 
-template <int G>
+// R weight rows (K apart) by G rows of x: their loads interleaved, so R streams from the memory are in flight (a
+// batch of one or two rows needs four to read near the memory's rate). Each (weight row, x row) sums in two chains,
+// the even 32 values and the odd, whatever R and G are.
+template <int R, int G>
 inline void dots_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, c10::BFloat16* y, int64_t N) {
-  __m512 a0[G], a1[G];
-#pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 64 <= K; i += 64) {
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w + i), v1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      a0[g] = _mm512_dpbf16_ps(a0[g], (__m512bh)_mm512_loadu_si512(x + g * K + i), v0);
-      a1[g] = _mm512_dpbf16_ps(a1[g], (__m512bh)_mm512_loadu_si512(x + g * K + i + 32), v1);
-    }
-  }
-  if (i < K) {  // the row's last 1-63 values: the first 32 into chain 0, the rest into chain 1
-    const __m512bh v0 = load_bf16(w + i, K - i), v1 = load_bf16(w + i + 32, K - i - 32);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      a0[g] = _mm512_dpbf16_ps(a0[g], load_bf16(x + g * K + i, K - i), v0);
-      a1[g] = _mm512_dpbf16_ps(a1[g], load_bf16(x + g * K + i + 32, K - i - 32), v1);
-    }
-  }
-#pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) y[g * N] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[g], a1[g])));
-}
-
-// dots_bf16<G> for four weight rows at once (rows r .. r + 3, K apart), their loads interleaved: four streams from
-// the memory in flight instead of one, which a batch of one or two rows needs to read near the memory's rate. Each
-// (weight row, x row) sums in the same two chains and the same order as dots_bf16's.
-template <int G>
-inline void dots_bf16_4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, c10::BFloat16* y, int64_t N) {
-  __m512 a0[4][G], a1[4][G];
+  __m512 a0[R][G], a1[R][G];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)
-#pragma GCC unroll 2
+  for (int j = 0; j < R; ++j)
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) a0[j][g] = a1[j][g] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= K; i += 64) {
-    __m512bh x0[G], x1[G];
-#pragma GCC unroll 2
-    for (int g = 0; g < G; ++g) {
-      x0[g] = (__m512bh)_mm512_loadu_si512(x + g * K + i);
-      x1[g] = (__m512bh)_mm512_loadu_si512(x + g * K + i + 32);
-    }
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < R; ++j) {
       const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w + j * K + i);
       const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w + j * K + i + 32);
-#pragma GCC unroll 2
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
-        a0[j][g] = _mm512_dpbf16_ps(a0[j][g], x0[g], v0);
-        a1[j][g] = _mm512_dpbf16_ps(a1[j][g], x1[g], v1);
+        a0[j][g] = _mm512_dpbf16_ps(a0[j][g], (__m512bh)_mm512_loadu_si512(x + g * K + i), v0);
+        a1[j][g] = _mm512_dpbf16_ps(a1[j][g], (__m512bh)_mm512_loadu_si512(x + g * K + i + 32), v1);
       }
     }
   }
-  if (i < K) {
+  if (i < K) {  // the row's last 1-63 values: the first 32 into chain 0, the rest into chain 1
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < R; ++j) {
       const __m512bh v0 = load_bf16(w + j * K + i, K - i), v1 = load_bf16(w + j * K + i + 32, K - i - 32);
-#pragma GCC unroll 2
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         a0[j][g] = _mm512_dpbf16_ps(a0[j][g], load_bf16(x + g * K + i, K - i), v0);
         a1[j][g] = _mm512_dpbf16_ps(a1[j][g], load_bf16(x + g * K + i + 32, K - i - 32), v1);
@@ -113,8 +81,8 @@ inline void dots_bf16_4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t 
     }
   }
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)
-#pragma GCC unroll 2
+  for (int j = 0; j < R; ++j)
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) y[g * N + j] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[j][g], a1[j][g])));
 }
 
@@ -123,17 +91,17 @@ void rows_bf16(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y,
     int64_t r = begin;
     if (M <= 2) {  // few rows of x: four weight rows at a time
       for (; r + 4 <= end; r += 4) {
-        if (M == 2) dots_bf16_4<2>(w + r * K, x, K, y + r, N);
-        else dots_bf16_4<1>(w + r * K, x, K, y + r, N);
+        if (M == 2) dots_bf16<4, 2>(w + r * K, x, K, y + r, N);
+        else dots_bf16<4, 1>(w + r * K, x, K, y + r, N);
       }
     }
     for (; r < end; ++r) {
       const c10::BFloat16* row = w + r * K;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) dots_bf16<8>(row, x + m * K, K, y + m * N + r, N);
-      if (M - m >= 4) dots_bf16<4>(row, x + m * K, K, y + m * N + r, N), m += 4;
-      if (M - m >= 2) dots_bf16<2>(row, x + m * K, K, y + m * N + r, N), m += 2;
-      if (M - m >= 1) dots_bf16<1>(row, x + m * K, K, y + m * N + r, N);
+      for (; m + 8 <= M; m += 8) dots_bf16<1, 8>(row, x + m * K, K, y + m * N + r, N);
+      if (M - m >= 4) dots_bf16<1, 4>(row, x + m * K, K, y + m * N + r, N), m += 4;
+      if (M - m >= 2) dots_bf16<1, 2>(row, x + m * K, K, y + m * N + r, N), m += 2;
+      if (M - m >= 1) dots_bf16<1, 1>(row, x + m * K, K, y + m * N + r, N);
     }
   });
 }

@@ -17,9 +17,7 @@
 // BF16 dot products (32 values an instruction, rows never widened), or the widened fp32 kernels (any dtype). All
 // three sum exact products of the same rounded values in fp32, in different orders (the tests bound the difference
 // as for the torch path); which one runs depends only on the CPU and the shapes, never on the batch or the threads.
-#include "vec.h"  // first: it names the CPU capability ATen's vector functions compile for
-
-#include "amx.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,7 +43,7 @@ constexpr int64_t PIECES = 64;  // most pieces a sequence is cut into (their par
 
 inline int64_t pad(int64_t n) { return (n + W - 1) / W * W; }
 
-inline float hsum(const Vec& v) { return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v); }
+using k3::hsum;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // s[n] = hsum(a[n]) for 8 vectors at once, each summed by hsum's own tree (halves, quarters, pairs, lanes), so the
@@ -257,14 +255,28 @@ inline void pair_up(const float* p, uint32_t* pp) {
 // take the dot-product kernels above.
 constexpr int TILE_ROWS = 16;
 
-using k3::amx_permitted;
+bool amx_permitted() {  // asked of the kernel once a process (ARCH_REQ_XCOMP_PERM for XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes: palette 1, then each tile's bytes a row and rows
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 
 // tiles 0-2: scores C [16 rows][H], rows A [16][32 values], q B [16 pairs][H pairs]; 3-5: context A [H][32
 // probabilities], rows B [16 pairs][16 value pairs], C [H][16 values]
 inline void configure_tiles(int64_t H) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
   const uint16_t colsb[6] = {static_cast<uint16_t>(H * 4), 64, static_cast<uint16_t>(H * 4), 64, 64, 64};
   const uint8_t rows[6] = {16, 16, 16, static_cast<uint8_t>(H), 16, static_cast<uint8_t>(H)};
-  k3::configure_tiles(6, rows, colsb);
+  for (int t = 0; t < 6; ++t) c.colsb[t] = colsb[t], c.rows[t] = rows[t];
+  asm volatile("" : : "r"(&c) : "memory");  // GCC does not see ldtilecfg read the stores: keep them
+  _tile_loadconfig(&c);
 }
 
 // q [H][Kq] (bf16, zero past K) as K / 32 B tiles: tile k, row j, head h holds q_h[32 k + 2 j], q_h[32 k + 2 j + 1]

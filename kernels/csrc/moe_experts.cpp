@@ -37,7 +37,6 @@ using k3::Silu;
 using k3::Situ;
 using k3::Vec;
 
-
 // Geometry: phase 1 widens HALF gate rows and the HALF matching up rows per task, phase 2 ROWS2 output rows per
 // expert; the dots run RB rows by up to GB tokens (the accumulators fill the registers). cpu_ops.moe_experts_scratch_
 // bytes mirrors these sizes.
@@ -219,7 +218,6 @@ void run(const Problem& p, const typename Dots<PAIRS>::X* z, const Rows& w13, co
   });
 }
 
-
 // The dots' form for this dtype and these widths (bf16 pairs where they apply), then run
 template <typename T, typename Rows, typename Act>
 void with_dots(const Problem& p, const at::Tensor& z, const Rows& w13, const Rows& w2, const Act& act_fn) {
@@ -242,16 +240,6 @@ void with_act(const Problem& p, const at::Tensor& z, const Rows& w13, const Rows
   TORCH_CHECK(act == 1 && beta > 0 && linear_beta > 0, "moe_experts: act 0 (SiLU) or 1 (SiTU, positive betas)");
   const float b = static_cast<float>(beta), lb = static_cast<float>(linear_beta);
   with_dots<T>(p, z, w13, w2, Situ<T>{b, 1.0f / b, lb, 1.0f / lb});
-}
-
-template <typename F>
-void dispatch(at::ScalarType dtype, F f) {  // the compute dtypes: f(a value of the type)
-  switch (dtype) {
-    case at::kFloat: return f(float{});
-    case at::kBFloat16: return f(c10::BFloat16{});
-    case at::kHalf: return f(c10::Half{});
-    default: TORCH_CHECK(false, "moe_experts: z in fp32, bf16 or fp16, not ", dtype);
-  }
 }
 
 at::Tensor moe_experts(const at::Tensor& z, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
@@ -283,13 +271,13 @@ at::Tensor moe_experts(const at::Tensor& z, const at::Tensor& ids, const at::Ten
     TORCH_CHECK(s2_ok && s2.is_contiguous(), "moe_experts: w2_scale uint8 [E, Z, I / 32], contiguous");
     const Packed r13{w13.data_ptr<uint8_t>(), s13.data_ptr<uint8_t>(), Z};
     const Packed r2{w2.data_ptr<uint8_t>(), s2.data_ptr<uint8_t>(), I};
-    dispatch(z.scalar_type(), [&](auto t) {
+    k3::by_compute_dtype(z.scalar_type(), "moe_experts: z", [&](auto t) {
       with_act<decltype(t)>(p, z, r13, r2, act, beta, linear_beta);
     });
   } else {
     TORCH_CHECK(w13.scalar_type() == z.scalar_type() && w2.scalar_type() == z.scalar_type(),
                 "moe_experts: dense weights in z's dtype");
-    dispatch(z.scalar_type(), [&](auto t) {
+    k3::by_compute_dtype(z.scalar_type(), "moe_experts: z", [&](auto t) {
       using T = decltype(t);
       const Dense<T> r13{w13.data_ptr<T>(), Z}, r2{w2.data_ptr<T>(), I};
       with_act<T>(p, z, r13, r2, act, beta, linear_beta);

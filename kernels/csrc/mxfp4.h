@@ -143,7 +143,8 @@ inline void widen_mxfp4_pairs(const uint8_t* q, const uint8_t* s, int64_t n, uin
       v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(static_cast<int16_t>((sc - 128) * 128)));
     } else {
       const __m512 f = _mm512_loadu_ps(MX_DOUBLED), scale = _mm512_set1_ps(mx_half_scale(static_cast<uint8_t>(sc)));
-      const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), f), scale);
+      const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+      const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(low, f), scale);
       const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), f), scale);
       v = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
                           _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(~0xFFFF)));
@@ -180,8 +181,9 @@ inline void dots_pairs(const uint32_t* const* rows, const uint32_t* const* x, in
 #endif
 
 // out[g * ld + r] = rows[r] . x[g] over n fp32 inputs, for R rows and G vectors: lane l of each accumulator sums
-// inputs l, l + LANES, ... in order with FMAs, the lanes are added (reduce4's tree on AVX-512, vsum's on AVX2), then the inputs past the last whole
-// vector one by one. Each output is summed the same way whatever R, G, or the rows and vectors beside it.
+// inputs l, l + LANES, ... in order with FMAs, the lanes are added (reduce4's tree on AVX-512, vsum's on AVX2), then
+// the inputs past the last whole vector one by one. Each output is summed the same way whatever R, G, or the rows and
+// vectors beside it.
 template <int R, int G>
 inline void dots_f32(const float* const* rows, const float* const* x, int64_t n, float* out, int64_t ld) {
 #if defined(K3_LANES)

@@ -17,30 +17,20 @@ namespace {
 using k3::Vec;
 using k3::W;
 
-constexpr int64_t SERIAL_ROWS = 16;  // fewer rows than this run on the calling thread (a decode step's)
-
-inline float lane_sum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
-}
+constexpr int64_t GRAIN = 16;  // rows a thread takes at least: fewer run on the calling thread (a decode step's)
 
 // sum of x[i] * y[i] over n (vector lanes, then the tree; the tail one by one)
 inline float dot(const float* x, const float* y, int64_t n) {
   Vec acc(0.f);
   int64_t i = 0;
   for (; i + W <= n; i += W) acc = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(y + i), acc);
-  float s = lane_sum(acc);
+  float s = k3::hsum(acc);
   for (; i < n; ++i) s += x[i] * y[i];
   return s;
 }
 
 inline float inverse_rms(const float* x, int64_t n, float eps) {
   return 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
-}
-
-template <typename F>
-void by_rows(int64_t rows, F f) {
-  if (rows < SERIAL_ROWS) return f(0, rows);
-  at::parallel_for(0, rows, 8, f);
 }
 
 // weight * (x * rsqrt(mean(x^2) + eps)), the normalised row rounded to x's dtype first, the product to the result's
@@ -55,7 +45,7 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const auto in_type = x.scalar_type();
-  by_rows(rows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * D;
       float* o = op + r * D;
@@ -93,7 +83,7 @@ at::Tensor res_mix(at::TensorList candidates, const at::Tensor& score, double ep
   float* op = out.data_ptr<float>();
   const int64_t rows = out.numel() / std::max<int64_t>(D, 1);
   const float e = static_cast<float>(eps);
-  by_rows(rows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
     std::vector<float> p(n);
     for (int64_t r = begin; r < end; ++r) {
       float top = -INFINITY;

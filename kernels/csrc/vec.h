@@ -31,6 +31,20 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 
 template <typename F>
+void by_compute_dtype(at::ScalarType dtype, const char* what, F f) {  // f(a value of the type): fp32, bf16 or fp16
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, what, ": fp32, bf16 or fp16, not ", dtype);
+  }
+}
+
+inline float hsum(const Vec& v) {  // the lanes' sum, by at::vec's one fixed tree
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
+}
+
+template <typename F>
 inline void vmap(float* x, int64_t n, F f) {  // x = f(x) in place, a vector at a time (a partial one at the end)
   for (int64_t j = 0; j < n; j += W) {
     const int64_t m = std::min<int64_t>(W, n - j);
