@@ -2,7 +2,7 @@
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
 ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, the routed
-experts for any token count (dense or MXFP4-packed weights), a one-row int8 GEMV, decode rows' GEMV, the logits'
+experts for any token count (dense or MXFP4-packed weights) and the router's choice before them, a one-row int8 GEMV, decode rows' GEMV, the logits'
 top-k with their log-sum-exp, the RMSNorm, K3's mixing site and the MLPs' gated activation for the CPU.
 `auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports (Triton: a version the kernels
 ran on, compat.TRITON_MINIMUM), else the references. The model
@@ -32,6 +32,7 @@ class Kernels:
     linear_rows: Callable | None = None  # cpu_ops.linear_rows' (decode rows); None: F.linear (model/linear.py)
     # cpu_ops.moe_experts' (moe_triton.moe_experts'): routed experts, dense or packed; None: kernels/moe.py's paths
     moe_experts: Callable | None = None
+    moe_route: Callable | None = None  # cpu_ops.moe_route's: the router after its GEMV; None: model/moe.py's torch ops
     rmsnorm: Callable = norm.rmsnorm  # KimiRMSNorm (cpu_ops.rmsnorm: one op)
     res_mix: Callable = norm.res_mix  # K3's mixing site (cpu_ops.res_mix: one op)
     glu: Callable = activation.glu  # a gated MLP's activation (cpu_ops.glu: one op)
@@ -56,6 +57,7 @@ def _cpu() -> Kernels | None:
         mla_absorbed=cpu_ops.mla_absorbed,
         linear_rows=cpu_ops.linear_rows,
         moe_experts=cpu_ops.moe_experts,
+        moe_route=cpu_ops.moe_route,
         rmsnorm=cpu_ops.rmsnorm,
         res_mix=cpu_ops.res_mix,
         glu=cpu_ops.glu,

@@ -27,6 +27,7 @@ SOURCES = (
     "kda_decode.cpp",
     "moe_decode.cpp",
     "moe_experts.cpp",
+    "moe_route.cpp",
     "int8_mm.cpp",
     "topk_lse.cpp",
     "mla_decode.cpp",
@@ -94,6 +95,7 @@ def _register_fakes() -> None:
         "kda_prefill": _kda_prefill_fake,
         "moe_decode": _moe_fake,
         "moe_experts": _moe_fake,
+        "moe_route": _moe_route_fake,
         "int8_mm": _int8_fake,
         "topk_lse": _topk_lse_fake,
         "mla_decode": _mla_fake,
@@ -119,6 +121,11 @@ def _kda_prefill_fake(qkv, *_):
 
 def _moe_fake(x, *_):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def _moe_route_fake(logits, bias, top_k, renormalize, scale, biased):
+    N = logits.shape[0]
+    return logits.new_empty(N, top_k, dtype=torch.int64), logits.new_empty(N, top_k)
 
 
 def _int8_fake(x, q, scales):
@@ -208,6 +215,13 @@ def moe_experts(z, ids, weights, w13, w2, *, act: Activation = SILU):
         raise ValueError("moe_experts: both projections packed (PackedExperts), or neither")
     weight_args = (w13.packed, w13.scale, w2.packed, w2.scale) if packed else (w13, None, w2, None)
     return torch.ops.k3dist.moe_experts(z, ids, weights.float(), *weight_args, *_act(act))
+
+
+def moe_route(logits, bias, top_k: int, renormalize: bool, scale: float, biased: bool):
+    """The sigmoid router's choice from its fp32 logits [N, E] (model/moe.py's `route` after its GEMV, one expert
+    group): (expert ids int64 [N, k] in descending order of the biased score, ties to the lower id; their combination
+    weights fp32 [N, k])."""
+    return torch.ops.k3dist.moe_route(logits, bias, top_k, renormalize, scale, biased)
 
 
 def _act(act: Activation) -> tuple[int, float, float]:

@@ -11,6 +11,7 @@ from .spec import COLUMN, HEADS, REPLICATED, ROW, CacheEntry, LayerKind, Placeme
 
 A_LOG_SLOTS = 128  # K3 stores A_log as [128] whatever its head count; the first num_heads entries are real
 FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")  # all read the normed input
+K3_FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj")  # K3: its full-rank gate, no g_a
 
 
 def _tensors(cfg) -> dict:
@@ -48,7 +49,8 @@ def _k3_tensors(cfg) -> dict:
 
 def _placements(cfg, layer: str) -> dict:
     a = layer + "self_attn."
-    out = {f"{a}{n}.weight": Placement(a + "in_proj.weight", part=i) for i, n in enumerate(FUSED_IN)}
+    fused = K3_FUSED_IN if cfg.gate_lower_bound != 0.0 else FUSED_IN  # K3 (model/kda.py tells them apart so too)
+    out = {f"{a}{n}.weight": Placement(a + "in_proj.weight", part=i) for i, n in enumerate(fused)}
     out |= {f"{a}{n}_conv1d.weight": Placement(a + "conv1d.weight", slot=i) for i, n in enumerate("qkv")}
     out |= {f"{a}{n}_b_proj.weight": Placement(a + "fg_b_proj.weight", slot=i) for i, n in enumerate("fg")}
     return out
@@ -100,5 +102,5 @@ KDA = LayerKind(
     ),
     activation=_activation,
     widest_input=lambda cfg, world: cfg.kda_dim // world,
-    quantized=r"\.self_attn\.(in_proj|fg_b_proj|g_proj|o_proj)\.weight$",  # g_proj: K3's output gate
+    quantized=r"\.self_attn\.(in_proj|fg_b_proj|o_proj)\.weight$",
 )

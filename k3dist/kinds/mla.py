@@ -37,11 +37,11 @@ def _k3_tensors(cfg) -> dict:
 
 
 def _placements(cfg, layer: str) -> dict:
+    """Every projection of the normed input in one: Kimi-Linear's q and the latent's; K3's latent, q-LoRA down and
+    output gate."""
     a = layer + "self_attn."
-    return {
-        a + "q_proj.weight": Placement(a + "q_kv_a_proj.weight", part=0),
-        a + "kv_a_proj_with_mqa.weight": Placement(a + "q_kv_a_proj.weight", part=1),
-    }
+    fused = ("kv_a_proj_with_mqa", "q_a_proj", "g_proj") if cfg.q_lora_rank else ("q_proj", "kv_a_proj_with_mqa")
+    return {f"{a}{n}.weight": Placement(a + "q_kv_a_proj.weight", part=i) for i, n in enumerate(fused)}
 
 
 def _activation(cfg, world: int, *, tokens: int, seqs: int, longest: int, s: int, cpu: bool, dense: bool) -> int:
@@ -99,5 +99,5 @@ MLA = LayerKind(
     activation=_activation,
     widest_input=lambda cfg, world: cfg.mla_heads // world * cfg.v_head_dim,
     decode_op_bytes=_decode_op_bytes,
-    quantized=r"\.self_attn\.(q_kv_a_proj|q_a_proj|q_b_proj|g_proj|o_proj)\.weight$",  # K3's q-LoRA, output gate
+    quantized=r"\.self_attn\.(q_kv_a_proj|q_b_proj|o_proj)\.weight$",
 )

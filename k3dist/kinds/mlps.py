@@ -77,8 +77,14 @@ def _k3_moe_tensors(cfg) -> dict:
 
 def _moe_placements(cfg, layer: str) -> dict:
     """Experts stacked: w1 and w3 fused per expert into `w13`, w2 into `w2`; K3's MXFP4 experts the same, once for
-    the packed codes (`w13_packed`) and once for the scales (`w13_scale`)."""
-    out = _gate_up(layer + "block_sparse_moe.shared_experts.")
+    the packed codes (`w13_packed`) and once for the scales (`w13_scale`). The shared experts' gate and up in one;
+    K3's with the routed experts' down projection before them (`in_proj`: all three read the block's input)."""
+    m = layer + "block_sparse_moe."
+    if cfg.latent_size:
+        fused = ("routed_expert_down_proj", "shared_experts.gate_proj", "shared_experts.up_proj")
+        out = {f"{m}{n}.weight": Placement(m + "in_proj.weight", part=i) for i, n in enumerate(fused)}
+    else:
+        out = _gate_up(m + "shared_experts.")
     x = layer + "block_sparse_moe.experts."
     kept = (("weight_packed", "_packed"), ("weight_scale", "_scale")) if cfg.mxfp4_experts else (("weight", ""),)
     for e in range(cfg.num_experts):

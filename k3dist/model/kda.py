@@ -6,7 +6,7 @@ update token by token) or else the chunked reference. o_proj is row-parallel: on
 
 Kimi K3's KDA differs in three values, all decided by its config: the forget gate is lower-bounded (`lower` =
 gate_lower_bound * sigmoid(...) instead of -exp(A_log) softplus(...): kernels/kda.py), and the output gate is a
-full-rank `g_proj` [P, D] instead of the low-rank g_b(g_a(x)); and its q and k l2 norms take the config's
+full-rank `g_proj` [P, D] (the fused projection's last rows) instead of the low-rank g_b(g_a(x)); and its q and k l2 norms take the config's
 rms_norm_eps where Kimi-Linear's take fla's 1e-6, as llama.cpp's port (the reference) does: at 1e-6 the K3 twin's
 logits move up to 4.6e-4 of their largest from llama.cpp's over a 520-token prompt, at rms_norm_eps 3e-5. K3 stores
 A_log padded to 128 entries and replicated; each rank takes its own heads' entries.
@@ -24,12 +24,12 @@ from .layers import Binding, gated_rmsnorm
 class KDA:
     def __init__(self, b: Binding, prefix: str, conv_state: Tensor, state: Tensor):
         w, lin, cfg = b.weight, b.linear, b.cfg
-        self.in_proj = lin(prefix + "in_proj.weight")  # [3P + 2d + H, D]: q, k, v, f_a, g_a, b (K3: no g_a)
+        # [3P + 2d + H, D]: q, k, v, f_a, g_a, b; K3: q, k, v, f_a, b, then its full-rank gate g [P, D]
+        self.in_proj = lin(prefix + "in_proj.weight")
         self.conv_w = w(prefix + "conv1d.weight").flatten(2)  # [3, P, K]
         self.full_rank_gate = cfg.gate_lower_bound != 0.0  # K3 (config/k3.py requires both)
         if self.full_rank_gate:
             (self.f_b,) = lin(prefix + "fg_b_proj.weight")  # stacked [1, P, d]
-            self.g_proj = lin(prefix + "g_proj.weight")  # [P, D]
         else:
             self.f_b, self.g_b = lin(prefix + "fg_b_proj.weight")  # stacked [2, P, d]: one Linear each
         self.o_proj, self.o_norm = lin(prefix + "o_proj.weight"), w(prefix + "o_norm.weight")
@@ -39,8 +39,8 @@ class KDA:
             A_log = A_log[slice(*shard_range(cfg.kda_heads, b.comm.world, b.comm.rank))]
         self.A_log, self.dt_bias = A_log, w(prefix + "dt_bias")
         P = self.heads * self.d
-        gate_a = () if self.full_rank_gate else (self.d,)
-        self.split = (3 * P, self.d, *gate_a, self.heads)
+        gates = (self.heads, P) if self.full_rank_gate else (self.d, self.heads)  # (b, g) or (g_a, b)
+        self.split = (3 * P, self.d, *gates)
         self.eps, self.comm, self.kernels = cfg.rms_norm_eps, b.comm, b.kernels
         self.lower = cfg.gate_lower_bound
         self.l2_eps = self.eps if self.full_rank_gate else L2_EPS  # K3: llama.cpp's port (docs/k3.md, "Epsilons")
@@ -50,8 +50,8 @@ class KDA:
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(pre-conv q, k, v; the forget gate's input; beta before its sigmoid; the output gate before its sigmoid)"""
         if self.full_rank_gate:
-            qkv, f_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
-            return qkv, self.f_b(f_a), beta_raw, self.g_proj(x)
+            qkv, f_a, beta_raw, gate = self.in_proj(x).split(self.split, dim=-1)
+            return qkv, self.f_b(f_a), beta_raw, gate
         qkv, f_a, g_a, beta_raw = self.in_proj(x).split(self.split, dim=-1)
         return qkv, self.f_b(f_a), beta_raw, self.g_b(g_a)
 

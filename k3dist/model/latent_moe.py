@@ -3,6 +3,9 @@ a narrower latent between a down and an up projection, and the shared experts re
 
     ids, w = router(x);  z = down x;  y = sum_k w_k W2_k act(W1_k z, W3_k z) (fp32);  out = up(rmsnorm(y)) + shared(x)
 
+The down projection and the shared experts' gate and up projections read the same x: they are one weight
+(`in_proj`, the loader's fused parts), one GEMV a step.
+
 Tensor parallel (docs/model.md, "Kimi K3's TP plan"): `down` is split by latent row and its output all-gathered, so
 every rank's experts read the whole latent; the experts are split by their own columns as Kimi-Linear's, so each
 rank's fp32 combine is a partial sum, all-reduced before the latent norm sees it; `up` is split by latent column, and
@@ -21,7 +24,7 @@ from torch import Tensor
 from ..kernels.moe import experts_gathered, experts_grouped, experts_sorted
 from ..kernels.mxfp4 import PackedExperts
 from ..weights.tp_plan import shard_range
-from .layers import Binding, gated_mlp
+from .layers import Binding
 from .moe import route
 
 
@@ -35,12 +38,12 @@ class LatentMoE:
             cfg.routed_scaling_factor,
             biased,
         )
-        self.down, self.up = (
-            lin(prefix + "routed_expert_down_proj.weight"),
-            lin(prefix + "routed_expert_up_proj.weight"),
-        )
+        # the routed experts' down projection, then the shared experts' gate and up rows: [Z + 2 Is, D], one GEMV
+        self.in_proj, self.up = lin(prefix + "in_proj.weight"), lin(prefix + "routed_expert_up_proj.weight")
         self.norm, self.eps = w(prefix + "routed_expert_norm.weight"), cfg.rms_norm_eps
         self.latent = slice(*shard_range(cfg.latent_size, b.comm.world, b.comm.rank))  # its normed latent's columns
+        z_rows = self.latent.stop - self.latent.start
+        self.split = (z_rows, self.in_proj.shape[0] - z_rows)  # (this rank's z, its shared gate and up rows)
         x = prefix + "experts."
         if cfg.mxfp4_experts:
             w13 = PackedExperts(w(x + "w13_packed"), w(x + "w13_scale"), b.dtype)
@@ -55,23 +58,23 @@ class LatentMoE:
                 partial(path, w13=w13, w2=w2, act=b.act) for path in (experts_gathered, experts_sorted, experts_grouped)
             )
             self._decode = None
-        shared = prefix + "shared_experts."
-        self.shared = lin(shared + "gate_up_proj.weight"), lin(shared + "down_proj.weight")
+        self.shared_down = lin(prefix + "shared_experts.down_proj.weight")
         self.comm, self.dtype, self.act, self.kernels = b.comm, b.dtype, b.act, b.kernels
+        self.choose = b.kernels.moe_route
 
     def _forward(self, x: Tensor, experts) -> Tensor:
         """x: [..., D] normed (the router reads it as fp32, the projections in the compute dtype)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        ids, weights = route(flat, self.gate, self.bias, self.top_k, 1, 1, self.renormalize, self.scale, self.biased)
-        flat = flat.to(self.dtype)
-        z = self.comm.gather_columns(self.down(flat))
-        y = self.comm.all_reduce(experts(z, ids, weights))  # [N, Z] fp32: the experts' combine, whole
+        ids, weights = route(
+            flat, self.gate, self.bias, self.top_k, 1, 1, self.renormalize, self.scale, self.biased, choose=self.choose
+        )
+        z, gate_up = self.in_proj(flat.to(self.dtype)).split(self.split, dim=-1)
+        y = self.comm.all_reduce(experts(self.comm.gather_columns(z), ids, weights))  # [N, Z] fp32: the combine, whole
         y = self.kernels.rmsnorm(y, self.norm, self.eps).to(self.dtype)
         if self.comm.world > 1:  # `up` reads this rank's latent columns
             y = y[:, self.latent].contiguous()
-        out = self.up(y).float()
-        out = out + gated_mlp(flat, *self.shared, self.act, self.kernels.glu).float()
+        out = self.up(y).float() + self.shared_down(self.kernels.glu(gate_up, self.act)).float()
         return self.comm.all_reduce(out).view(shape)
 
     def decode(self, x: Tensor) -> Tensor:

@@ -13,8 +13,9 @@ Prepacking: on CPUs with bf16 units torch's bf16 `F.linear` reads the weight at 
 token; the same oneDNN kernel on a weight reordered once at bind time streams it faster, with bit-identical results
 (BENCHMARKS.md). The packed copy replaces the plain one, so it costs memory only while it is made (the plan's
 `derived_bytes`). Packed weights are opaque to torch.compile, so a compiled step keeps plain ones. On a CPU with AMX
-a run of few slots keeps plain weights instead (`packs`): there the decode-rows op streams them faster than oneDNN
-reads its packed layout for a few rows, and oneDNN's prefill GEMMs read plain weights in place.
+a run of up to ROWS_OP_MAX slots keeps plain weights instead (`packs`): there the decode-rows op multiplies them on
+AMX tiles as they are stored, at the memory's rate, faster than oneDNN reads its packed layout for a few rows, and
+oneDNN's prefill GEMMs read plain weights in place.
 
 A decode row through `linear_rows` gives the same values whatever rows come with it (batch invariance).
 """
@@ -37,7 +38,9 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-PLAIN_SLOTS = 4  # the most decode rows for which plain weights and the decode-rows op beat packed ones on AMX
+DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the plain (or int8) GEMM; wider ones are blocked
+ROWS_OP_MAX = 16  # the most rows `linear_rows` takes (kernels/csrc/linear_rows.cpp)
+PLAIN_SLOTS = ROWS_OP_MAX  # the most decode rows for which plain weights and the decode-rows op beat packed ones on AMX
 
 
 def has_amx() -> bool:
@@ -47,10 +50,10 @@ def has_amx() -> bool:
 
 def packs(dtype: torch.dtype, device: torch.device, batch: int, rows_op: bool) -> bool:
     """Whether a run of `batch` slots packs its weights: where packing pays (`packable`), but not on a CPU with AMX
-    decoding at most PLAIN_SLOTS rows through the decode-rows op (`rows_op`). oneDNN's bf16 GEMM there runs on AMX
-    tiles, which are made for many rows: for a few it reads a packed weight well under the memory's rate, where the
-    op's AVX-512 bf16 dot products stream the plain one near it (BENCHMARKS.md, "Measurements behind the code").
-    Plain weights cost no memory beyond their own: oneDNN's prefill GEMMs read them in place."""
+    decoding at most PLAIN_SLOTS rows through the decode-rows op (`rows_op`). oneDNN's bf16 GEMM there reads a packed
+    weight well under the memory's rate for a few rows, where the op's tiles take the plain weight as their A operand
+    and stream it near that rate for any row count up to 16 (BENCHMARKS.md, "Measurements behind the code"). Plain
+    weights cost no memory beyond their own: oneDNN's prefill GEMMs read them in place."""
     amx = device.type == "cpu" and has_amx()
     return packable(dtype, device) and not (amx and rows_op and batch <= PLAIN_SLOTS)
 
@@ -64,8 +67,6 @@ def widened(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
-DECODE_ROWS = 8  # inputs of at most this many rows (decode) take the plain (or int8) GEMM; wider ones are blocked
-ROWS_OP_MAX = 16  # the most rows `linear_rows` takes (kernels/csrc/linear_rows.cpp)
 WIDE_BLOCK = 1024  # weight rows widened to fp32 at a time: the transient stays WIDE_BLOCK x in x 4 bytes
 
 

@@ -26,11 +26,12 @@ ABSORBED_ROWS = 48  # a piece of at most this many tokens after a past attends a
 class MLA:
     def __init__(self, b: Binding, prefix: str, latent: Tensor):
         w, lin, cfg = b.weight, b.linear, b.cfg
-        self.q_kv_a = lin(prefix + "q_kv_a_proj.weight")  # [H * (dn + dr) + r + dr, D] (K3: [r + dr, D])
+        # [H * (dn + dr) + r + dr, D]: q, then the latent's input; K3: [r + dr + q_lora_rank + H * dv, D]: the
+        # latent's input, the q-LoRA down projection, the output gate
+        self.q_kv_a = lin(prefix + "q_kv_a_proj.weight")
         self.q_lora = cfg.q_lora_rank > 0  # K3: q from q_b(norm(q_a x)), and an output gate
         if self.q_lora:
-            self.q_a, self.q_b = lin(prefix + "q_a_proj.weight"), lin(prefix + "q_b_proj.weight")
-            self.q_norm, self.g_proj = w(prefix + "q_a_layernorm.weight"), lin(prefix + "g_proj.weight")
+            self.q_b, self.q_norm = lin(prefix + "q_b_proj.weight"), w(prefix + "q_a_layernorm.weight")
         self.kv_norm = w(prefix + "kv_a_layernorm.weight")
         self.lora_eps = cfg.rms_norm_eps if self.q_lora else LATENT_EPS  # K3: llama.cpp's port, the reference
         self.wkvb = w(prefix + "kv_b_proj.weight")  # [H * (dn + dv), r]
@@ -39,23 +40,29 @@ class MLA:
         self.heads = self.wkvb.shape[0] // (self.dn + self.dv)  # kv_b stays plain: decode uses its per-head views
         per_head = self.wkvb.view(self.heads, self.dn + self.dv, self.r)
         self.w_kb, self.w_vb = per_head[:, : self.dn], per_head[:, self.dn :]  # views: no derived bytes
-        self.q_rows = 0 if self.q_lora else self.heads * (self.dn + self.dr)
+        row, q_rows = self.r + self.dr, self.heads * (self.dn + self.dr)  # a cache row's input, Kimi-Linear's q
+        self.split = (row, cfg.q_lora_rank, self.heads * self.dv) if self.q_lora else (q_rows, row)
         self.scale = (self.dn + self.dr) ** -0.5
         self.comm, self.kernels = b.comm, b.kernels
         self.latent = latent  # [B, cap, r + dr]
 
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x: [..., D] -> q [..., H, dn + dr] and the cache row [..., r + dr] (normed latent, raw k_pe)."""
-        q, ckv = self.q_kv_a(x).split((self.q_rows, self.r + self.dr), dim=-1)
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x: [..., D] -> q [..., H, dn + dr], the cache row [..., r + dr] (normed latent, raw k_pe) and K3's output
+        gate before its sigmoid [..., H * dv] (None without one)."""
+        parts = self.q_kv_a(x).split(self.split, dim=-1)
+        gate = None
         if self.q_lora:
-            q = self.q_b(rmsnorm(self.q_a(x), self.q_norm, self.lora_eps))
+            ckv, q_a, gate = parts
+            q = self.q_b(self.kernels.rmsnorm(q_a, self.q_norm, self.lora_eps))
+        else:
+            q, ckv = parts
         row = torch.cat([rmsnorm(ckv[..., : self.r], self.kv_norm, self.lora_eps), ckv[..., self.r :]], dim=-1)
-        return q.unflatten(-1, (self.heads, -1)), row
+        return q.unflatten(-1, (self.heads, -1)), row, gate
 
-    def _out(self, o: Tensor, x: Tensor) -> Tensor:
+    def _out(self, o: Tensor, gate: Tensor | None) -> Tensor:
         """The heads' outputs [..., H * dv] through o_proj (K3: times the output gate first), summed over ranks."""
-        if self.q_lora:
-            o = (o.float() * self.g_proj(x).float().sigmoid()).to(o.dtype)
+        if gate is not None:
+            o = (o.float() * gate.float().sigmoid()).to(o.dtype)
         return self.comm.all_reduce(self.o_proj(o).float())
 
     def decode(self, x: Tensor, positions: Tensor, rows: int | None = None) -> Tensor:
@@ -64,16 +71,16 @@ class MLA:
 
         `rows` (eager steps only) bounds the cache rows attended to, when the host knows no slot is past it."""
         B = x.shape[0]
-        q, row = self._project(x)
+        q, row, gate = self._project(x)
         self.latent.index_put_((torch.arange(B, device=x.device), positions), row.to(self.latent.dtype))
         latent = self.latent[:B] if rows is None else self.latent[:B, :rows]
         if self.kernels.mla_absorbed is not None:  # the CPU ops: the rest as one op
             o = self.kernels.mla_absorbed(q.contiguous(), latent, positions + 1, self.w_kb, self.w_vb, self.scale)
-            return self._out(o, x)
+            return self._out(o, gate)
         q_abs = torch.bmm(q[..., : self.dn].transpose(0, 1), self.w_kb).transpose(0, 1)  # per head: q_nope W_kb
         ctx = self.kernels.mla_decode(q_abs, q[..., self.dn :], latent, positions + 1, self.scale)
         o = torch.bmm(ctx.transpose(0, 1), self.w_vb.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
-        return self._out(o, x)
+        return self._out(o, gate)
 
     def _keys(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Cached rows [n, S, r + dr] expanded through kv_b_proj: keys [n, S, H, dn + dr], values [n, S, H, dv]."""
@@ -90,7 +97,7 @@ class MLA:
         a past (a chat turn's rest after its restored history) skips the expansion where the CPU ops are built.
         """
         n, T, _ = x.shape
-        q, row = self._project(x)
+        q, row, gate = self._project(x)
         at = torch.arange(start, start + T, device=x.device)
         self.latent[slots[:, None], at[None, :]] = row.to(self.latent.dtype)
         if start and T <= ABSORBED_ROWS and self.kernels.mla_absorbed is not None:
@@ -100,7 +107,7 @@ class MLA:
         else:
             k, v = self._keys(self.latent[slots, : start + T])
             o = mla_prefill(q, k, v, self.scale, past=start)
-        return self._out(o.reshape(n, T, -1), x)
+        return self._out(o.reshape(n, T, -1), gate)
 
     def _absorbed(self, q: Tensor, slots: Tensor, start: int, T: int) -> Tensor:
         """q [n, T, H, dn + dr] -> [n, T, H * dv]: each of the piece's T tokens as one decode query (the CPU op) over

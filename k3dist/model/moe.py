@@ -118,11 +118,16 @@ def route(
     scale: float,
     biased: bool,
     sort: bool = False,
+    choose=None,
 ) -> tuple[Tensor, Tensor]:
     """The sigmoid router: x [N, D] -> (expert ids [N, k], combination weights [N, k] fp32). The correction bias
     chooses (within the best `topk_group` groups where there are several); the weights are the unbiased scores
-    (`biased`: the biased ones), renormalised over the k. `sort`: ids in descending order of the biased score."""
-    scores = F.linear(x.float(), gate.float()).sigmoid()
+    (`biased`: the biased ones), renormalised over the k. `sort`: ids in descending order of the biased score.
+    `choose`: the backend's op for all of it after the GEMV (Kernels.moe_route: one group, ids in that order)."""
+    logits = F.linear(x.float(), gate.float())
+    if choose is not None and groups == 1:
+        return choose(logits, bias, top_k, renormalize, scale, biased)
+    scores = logits.sigmoid()
     choice = scores + bias
     if groups > 1:
         grouped = choice.view(len(x), groups, -1)

@@ -1,9 +1,9 @@
-// A few activation rows (decode: one per live slot) times a compute-dtype weight [N, K], for CPUs whose oneDNN has
-// no units for that dtype: torch's low-precision GEMV there streams the weight well under the memory bandwidth. Here
-// each weight row is read once and dotted with every activation row while it is in L1 (gemv.h: widened a vector at
-// a time, each widened vector used for a group of activation rows, four FMA chains per row, fp32 sums); each output
-// is rounded once to x's dtype, as torch's GEMM rounds it. A row's result does not depend on how many rows came with
-// it.
+// A few activation rows (decode: one per live slot) times a compute-dtype weight [N, K], for CPUs where torch's
+// low-precision GEMV streams the weight well under the memory bandwidth (no units for the dtype; or a few rows
+// against oneDNN's bf16 kernels). Here each weight row is read once and dotted with every activation row while it is
+// in L1 (gemv.h: widened a vector at a time, each widened vector used for a group of activation rows, four FMA chains
+// per row, fp32 sums; bf16 on AVX-512 bf16: vdpbf16ps; on AMX: tiles, below); each output is rounded once to x's
+// dtype, as torch's GEMM rounds it. A row's result does not depend on how many rows came with it.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,6 +12,9 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
+
+#include "amx.h"
 
 #include "gemv.h"  // (immintrin.h with it on AVX-512)
 
@@ -86,24 +89,94 @@ inline void dots_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K,
     for (int g = 0; g < G; ++g) y[g * N + j] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[j][g], a1[j][g])));
 }
 
-void rows_bf16(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    int64_t r = begin;
-    if (M <= 2) {  // few rows of x: four weight rows at a time
-      for (; r + 4 <= end; r += 4) {
-        if (M == 2) dots_bf16<4, 2>(w + r * K, x, K, y + r, N);
-        else dots_bf16<4, 1>(w + r * K, x, K, y + r, N);
+// Weight rows [begin, end) by every row of x, with the dot-product kernels above
+void rows_dots(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y, int64_t M, int64_t N, int64_t K,
+               int64_t begin, int64_t end) {
+  int64_t r = begin;
+  if (M <= 2) {  // few rows of x: four weight rows at a time
+    for (; r + 4 <= end; r += 4) {
+      if (M == 2) dots_bf16<4, 2>(w + r * K, x, K, y + r, N);
+      else dots_bf16<4, 1>(w + r * K, x, K, y + r, N);
+    }
+  }
+  for (; r < end; ++r) {
+    const c10::BFloat16* row = w + r * K;
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) dots_bf16<1, 8>(row, x + m * K, K, y + m * N + r, N);
+    if (M - m >= 4) dots_bf16<1, 4>(row, x + m * K, K, y + m * N + r, N), m += 4;
+    if (M - m >= 2) dots_bf16<1, 2>(row, x + m * K, K, y + m * N + r, N), m += 2;
+    if (M - m >= 1) dots_bf16<1, 1>(row, x + m * K, K, y + m * N + r, N);
+  }
+}
+
+#if defined(K3_AMX)
+// On CPUs with AMX: the weight as it is stored is a tile's A operand (16 rows, 32 values a row, K apart), x in pairs
+// its B operand ([16 pairs][M pairs]); each row's sums stay in a C tile [16 rows][M] across the whole of K and are
+// rounded once as they are stored. Tiles take any M up to 16 at the memory's rate, where the dot-product kernels
+// slow down with M (each weight vector's products go through the vector unit once per row of x). Two 16-row blocks
+// run at a time (two loads of the weight in flight); either way a weight row's sums are the same instructions in the
+// same order, so a row of x gets the same bits whatever rows come with it. Rows past the last 16 take the dots.
+constexpr int64_t TILE_K = 32;  // bf16 values a tile row holds
+
+// x [M][K] as K / 32 B tiles: tile k, row j, column m holds (x_m[32 k + 2 j], x_m[32 k + 2 j + 1])
+std::vector<uint32_t> x_pairs(const c10::BFloat16* x, int64_t M, int64_t K) {
+  std::vector<uint32_t> out(M * K / 2);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t k = 0; k < K / TILE_K; ++k)
+    for (int64_t j = 0; j < k3::TILE_ROWS; ++j)
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t i = m * K + k * TILE_K + 2 * j;
+        out[(k * k3::TILE_ROWS + j) * M + m] = bits[i] | static_cast<uint32_t>(bits[i + 1]) << 16;
       }
+  return out;
+}
+
+// B blocks of 16 weight rows from w (B = 1 or 2; tiles 0-1: C, 2-3: A, 4: B) -> sums [16 B][M] fp32
+template <int B>
+inline void tile_rows(const c10::BFloat16* w, int64_t K, const uint32_t* xp, int64_t M, float* sums) {
+  _tile_zero(0);
+  if constexpr (B == 2) _tile_zero(1);
+  for (int64_t k = 0; k < K / TILE_K; ++k) {
+    _tile_loadd(4, xp + k * k3::TILE_ROWS * M, M * 4);
+    _tile_loadd(2, w + k * TILE_K, K * 2);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (B == 2) {
+      _tile_loadd(3, w + k3::TILE_ROWS * K + k * TILE_K, K * 2);
+      _tile_dpbf16ps(1, 3, 4);
     }
-    for (; r < end; ++r) {
-      const c10::BFloat16* row = w + r * K;
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) dots_bf16<1, 8>(row, x + m * K, K, y + m * N + r, N);
-      if (M - m >= 4) dots_bf16<1, 4>(row, x + m * K, K, y + m * N + r, N), m += 4;
-      if (M - m >= 2) dots_bf16<1, 2>(row, x + m * K, K, y + m * N + r, N), m += 2;
-      if (M - m >= 1) dots_bf16<1, 1>(row, x + m * K, K, y + m * N + r, N);
+  }
+  _tile_stored(0, sums, M * 4);
+  if constexpr (B == 2) _tile_stored(1, sums + k3::TILE_ROWS * M, M * 4);
+}
+
+void rows_tiles(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  const std::vector<uint32_t> xp = x_pairs(x, M, K);
+  const int64_t blocks = N / k3::TILE_ROWS;
+  at::parallel_for(0, blocks, GRAIN / k3::TILE_ROWS, [&](int64_t begin, int64_t end) {
+    const uint16_t colsb[5] = {static_cast<uint16_t>(M * 4), static_cast<uint16_t>(M * 4), 64, 64,
+                               static_cast<uint16_t>(M * 4)};
+    const uint8_t rows[5] = {16, 16, 16, 16, 16};
+    k3::configure_tiles(colsb, rows, 5);
+    float sums[2 * k3::TILE_ROWS * MAX_ROWS];
+    for (int64_t b = begin; b < end;) {
+      const int64_t n = end - b >= 2 ? 2 : 1, r0 = b * k3::TILE_ROWS;
+      if (n == 2) tile_rows<2>(w + r0 * K, K, xp.data(), M, sums);
+      else tile_rows<1>(w + r0 * K, K, xp.data(), M, sums);
+      for (int64_t r = 0; r < n * k3::TILE_ROWS; ++r)
+        for (int64_t m = 0; m < M; ++m) y[m * N + r0 + r] = c10::BFloat16(sums[r * M + m]);
+      b += n;
     }
+    _tile_release();
   });
+  if (blocks * k3::TILE_ROWS < N) rows_dots(w, x, y, M, N, K, blocks * k3::TILE_ROWS, N);
+}
+#endif
+
+void rows_bf16(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+#if defined(K3_AMX)
+  if (K % TILE_K == 0 && k3::amx_permitted()) return rows_tiles(w, x, y, M, N, K);
+#endif
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) { rows_dots(w, x, y, M, N, K, begin, end); });
 }
 #endif
 

@@ -22,14 +22,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 
 namespace {
 
@@ -253,30 +251,14 @@ inline void pair_up(const float* p, uint32_t* pp) {
 // q laid out in pairs; context: each head's 32 probabilities of a block of rows times the block's interleaved rows.
 // A tail of fewer than 16 rows, and shapes the tiles do not fit (more than 16 heads, K or r not a multiple of 32),
 // take the dot-product kernels above.
-constexpr int TILE_ROWS = 16;
-
-bool amx_permitted() {  // asked of the kernel once a process (ARCH_REQ_XCOMP_PERM for XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes: palette 1, then each tile's bytes a row and rows
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using k3::TILE_ROWS;
 
 // tiles 0-2: scores C [16 rows][H], rows A [16][32 values], q B [16 pairs][H pairs]; 3-5: context A [H][32
 // probabilities], rows B [16 pairs][16 value pairs], C [H][16 values]
 inline void configure_tiles(int64_t H) {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette = 1;
   const uint16_t colsb[6] = {static_cast<uint16_t>(H * 4), 64, static_cast<uint16_t>(H * 4), 64, 64, 64};
   const uint8_t rows[6] = {16, 16, 16, static_cast<uint8_t>(H), 16, static_cast<uint8_t>(H)};
-  for (int t = 0; t < 6; ++t) c.colsb[t] = colsb[t], c.rows[t] = rows[t];
-  asm volatile("" : : "r"(&c) : "memory");  // GCC does not see ldtilecfg read the stores: keep them
-  _tile_loadconfig(&c);
+  k3::configure_tiles(colsb, rows, 6);
 }
 
 // q [H][Kq] (bf16, zero past K) as K / 32 B tiles: tile k, row j, head h holds q_h[32 k + 2 j], q_h[32 k + 2 j + 1]
@@ -411,7 +393,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
   const int64_t Kq = Kp, rc = rp;
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const bool tiles = dots && H <= 16 && K % BW == 0 && r % BW == 0 && amx_permitted();
+  const bool tiles = dots && H <= 16 && K % BW == 0 && r % BW == 0 && k3::amx_permitted();
 #else
   const bool tiles = false;
 #endif

@@ -15,10 +15,13 @@
 #include <vector>
 
 #include "gemv.h"
+#include "route.h"
 
 namespace {
 
 using k3::dot;
+using k3::route;
+using k3::Route;
 using k3::rnd;
 
 template <typename T>
@@ -34,36 +37,6 @@ struct Situ {  // activation.py's SiTU: fp32, llama.cpp's operations in its orde
     return rnd<T>(a * (std::tanh(u * linear_inv) * linear_beta));
   }
 };
-
-struct Route {
-  std::vector<int64_t> ids;
-  std::vector<float> weights;
-};
-
-Route route(const float* logits, const float* bias, int64_t E, int64_t k, bool renormalize, float scale, bool biased) {
-  std::vector<float> scores(E), choice(E);
-  for (int64_t e = 0; e < E; ++e) {
-    scores[e] = 1.0f / (1.0f + std::exp(-logits[e]));
-    choice[e] = scores[e] + bias[e];
-  }
-  Route r{std::vector<int64_t>(k), std::vector<float>(k)};
-  std::vector<bool> taken(E, false);
-  for (int64_t j = 0; j < k; ++j) {  // the k largest choices, ties to the lower id
-    int64_t best = -1;
-    for (int64_t e = 0; e < E; ++e)
-      if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
-    taken[best] = true;
-    r.ids[j] = best;
-    r.weights[j] = biased ? choice[best] : scores[best];
-  }
-  if (renormalize) {
-    float sum = 0.f;
-    for (float w : r.weights) sum += w;
-    for (float& w : r.weights) w = w / (sum + 1e-20f);
-  }
-  for (float& w : r.weights) w *= scale;
-  return r;
-}
 
 template <typename T, typename Act>
 void run(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& w13,

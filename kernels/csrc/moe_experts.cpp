@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "act.h"
@@ -63,6 +64,8 @@ struct Packed {  // MXFP4 rows of n elements: n / 2 bytes and n / 32 scales each
   const uint8_t* q;
   const uint8_t* s;
   int64_t n;
+  const uint8_t* codes(int64_t r) const { return q + r * (n / 2); }
+  const uint8_t* scales(int64_t r) const { return s + r * (n / k3::MX_GROUP); }
   template <bool PAIRS>
   const typename Dots<PAIRS>::Line* row(int64_t r, typename Dots<PAIRS>::Line* buf) const {
     const uint8_t *qr = q + r * (n / 2), *sr = s + r * (n / k3::MX_GROUP);
@@ -95,10 +98,28 @@ struct Dense {  // rows of n elements in the compute dtype
   }
 };
 
-// out[g * ld + r] = rows[r] . x[g] for nr rows and c vectors of n inputs: RB rows by GB vectors at a time, the rest
-// in smaller blocks (the same sums: mxfp4.h's dots sum each output alone)
+// out[g * ld + r] = row r . x[g] for nr rows and c vectors: RB rows by GB vectors at a time, the rest in smaller
+// blocks (the same sums: mxfp4.h's dots sum each output alone); D::block<R, G>(r0, g0) runs one block
+template <typename D>
+struct Blocked {
+  template <int G>
+  void run(int64_t g0, int64_t nr) const {
+    const D& d = static_cast<const D&>(*this);
+    int64_t r0 = 0;
+    for (; r0 + RB <= nr; r0 += RB) d.template block<RB, G>(r0, g0);
+    for (; r0 < nr; ++r0) d.template block<1, G>(r0, g0);
+  }
+  void operator()(int64_t nr, int64_t c) const {
+    int64_t g0 = 0;
+    for (; g0 + GB <= c; g0 += GB) run<GB>(g0, nr);
+    for (; g0 + 2 <= c; g0 += 2) run<2>(g0, nr);
+    for (; g0 < c; ++g0) run<1>(g0, nr);
+  }
+};
+
+// rows widened (or read in place) beforehand, n inputs each
 template <bool PAIRS>
-struct RowDots {
+struct RowDots : Blocked<RowDots<PAIRS>> {
   const typename Dots<PAIRS>::Line* const* rows;
   const typename Dots<PAIRS>::X* const* x;
   int64_t n;
@@ -114,19 +135,47 @@ struct RowDots {
 #endif
     if constexpr (!PAIRS) k3::dots_f32<R, G>(rows + r0, xs, n, o, ld);
   }
-  template <int G>
-  void run(int64_t g0, int64_t nr) const {
-    int64_t r0 = 0;
-    for (; r0 + RB <= nr; r0 += RB) block<RB, G>(r0, g0);
-    for (; r0 < nr; ++r0) block<1, G>(r0, g0);
-  }
-  void operator()(int64_t nr, int64_t c) const {
-    int64_t g0 = 0;
-    for (; g0 + GB <= c; g0 += GB) run<GB>(g0, nr);
-    for (; g0 + 2 <= c; g0 += 2) run<2>(g0, nr);
-    for (; g0 < c; ++g0) run<1>(g0, nr);
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// MXFP4 rows (codes and scales) of n elements, widened group by group inside the dots (mxfp4.h's
+// dots_mxfp4_pairs: the same sums as RowDots over the widened rows). For at most GB vectors, where each widened row
+// would serve one block of vectors only: the row's bf16 pairs never go through memory.
+struct PackedDots : Blocked<PackedDots> {
+  const uint8_t* const* q;
+  const uint8_t* const* s;
+  const c10::BFloat16* const* x;
+  int64_t n;
+  float* out;
+  int64_t ld;
+  template <int R, int G>
+  void block(int64_t r0, int64_t g0) const {
+    const uint32_t* const* xs = reinterpret_cast<const uint32_t* const*>(x + g0);
+    k3::dots_mxfp4_pairs<R, G>(q + r0, s + r0, xs, n, out + g0 * ld + r0, ld);
   }
 };
+#endif
+
+// Rows `ids` of w (nr of them) by the c vectors x, into out [c][ld]: MXFP4 rows straight into the dots for bf16 pairs
+// and at most GB vectors, else each row widened into buf first (or read in place)
+template <bool PAIRS, typename Rows, typename X>
+void dots_of_rows(const Rows& w, const int64_t* ids, int64_t nr, const X* const* x, int64_t c, int64_t n,
+                  typename Dots<PAIRS>::Line* buf, float* out, int64_t ld) {
+  using Line = typename Dots<PAIRS>::Line;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<Rows, Packed> && PAIRS) {
+    if (c <= GB) {
+      const uint8_t* q[ROWS2 > ROWS1 ? ROWS2 : ROWS1];
+      const uint8_t* s[ROWS2 > ROWS1 ? ROWS2 : ROWS1];
+      for (int64_t r = 0; r < nr; ++r) q[r] = w.codes(ids[r]), s[r] = w.scales(ids[r]);
+      return PackedDots{{}, q, s, x, n, out, ld}(nr, c);
+    }
+  }
+#endif
+  const Line* rows[ROWS2 > ROWS1 ? ROWS2 : ROWS1];
+  for (int64_t r = 0; r < nr; ++r) rows[r] = w.template row<PAIRS>(ids[r], buf + r * (n / Dots<PAIRS>::per));
+  RowDots<PAIRS>{{}, rows, x, n, out, ld}(nr, c);
+}
 
 struct Pairs {  // the (token, choice) pairs sorted by expert, stably
   std::vector<int64_t> start;  // [E + 1]: expert e's pairs are sorted slots start[e] .. start[e + 1] - 1
@@ -171,18 +220,15 @@ void run(const Problem& p, const typename Dots<PAIRS>::X* z, const Rows& w13, co
     std::vector<Line> buf(ROWS1 * Z / Dots<PAIRS>::per);
     std::vector<float> acc;
     std::vector<const X*> vecs;
-    const Line* rows[ROWS1];
+    int64_t ids[ROWS1];
     for (int64_t t = begin; t < end; ++t) {
       const auto [e, i0] = tasks[t];
       const int64_t rb = std::min(HALF, I - i0), first = pairs.start[e], c = pairs.start[e + 1] - first;
-      Line* line = buf.data();
-      for (int64_t r = 0; r < 2 * rb; ++r, line += Z / Dots<PAIRS>::per) {  // the gate rows i0.., the up rows I + i0..
-        rows[r] = w13.template row<PAIRS>(e * 2 * I + (r < rb ? i0 + r : I + i0 + r - rb), line);
-      }
+      for (int64_t r = 0; r < 2 * rb; ++r) ids[r] = e * 2 * I + (r < rb ? i0 + r : I + i0 + r - rb);  // gate, up
       vecs.resize(c);
       for (int64_t v = 0; v < c; ++v) vecs[v] = z + pairs.pair[first + v] / k * Z;
       acc.resize(c * ROWS1);
-      RowDots<PAIRS>{rows, vecs.data(), Z, acc.data(), ROWS1}(2 * rb, c);
+      dots_of_rows<PAIRS>(w13, ids, 2 * rb, vecs.data(), c, Z, buf.data(), acc.data(), ROWS1);
       for (int64_t v = 0; v < c; ++v) {
         float* gate = acc.data() + v * ROWS1;
         k3::round_to<T>(gate, 2 * rb);  // the gate and up projections' outputs, as torch's GEMM rounds them
@@ -195,17 +241,16 @@ void run(const Problem& p, const typename Dots<PAIRS>::X* z, const Rows& w13, co
     std::vector<Line> buf(ROWS2 * I / Dots<PAIRS>::per);
     std::vector<float> y(P * ROWS2);
     std::vector<const X*> vecs;
-    const Line* rows[ROWS2];
+    int64_t ids[ROWS2];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t r0 = b * ROWS2, rb = std::min(ROWS2, Z - r0);
       for (int64_t e = 0; e < E; ++e) {
         const int64_t first = pairs.start[e], c = pairs.start[e + 1] - first;
         if (!c) continue;
-        for (int64_t r = 0; r < rb; ++r)
-          rows[r] = w2.template row<PAIRS>(e * Z + r0 + r, buf.data() + r * (I / Dots<PAIRS>::per));
+        for (int64_t r = 0; r < rb; ++r) ids[r] = e * Z + r0 + r;
         vecs.resize(c);
         for (int64_t v = 0; v < c; ++v) vecs[v] = act.data() + (first + v) * I;
-        RowDots<PAIRS>{rows, vecs.data(), I, y.data() + first * ROWS2, ROWS2}(rb, c);
+        dots_of_rows<PAIRS>(w2, ids, rb, vecs.data(), c, I, buf.data(), y.data() + first * ROWS2, ROWS2);
       }
       for (int64_t n = 0; n < N; ++n) {  // the fp32 combine, in each token's top-k order
         for (int64_t r = 0; r < rb; ++r) {

@@ -122,35 +122,32 @@ inline void store_sums(const __m512 (&a)[R][G], int g, float* out) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// One packed row of n elements -> n / 2 bf16 pairs (element 2i in the low half of word i, as vdpbf16ps takes them),
-// the values widen_mxfp4 gives (every one exact in bf16). Per group the codes index a table of the doubled values'
-// bf16 bits; the scale 2^(s - 128) is then an add to the exponent field of every nonzero value, exact wherever the
-// products stay normal (2 <= s <= 252: the doubled values' exponents are 127 .. 130). Other scales take the fp32
-// multiply and keep each value's top half, as widen_mxfp4's values hold them.
-inline void widen_mxfp4_pairs(const uint8_t* q, const uint8_t* s, int64_t n, uint32_t* dst) {
+// One group of a packed row (16 bytes, scale sc) -> 16 bf16 pairs (element 2i in the low half of word i, as
+// vdpbf16ps takes them), the values widen_mxfp4 gives (every one exact in bf16). The codes index a table of the doubled
+// values' bf16 bits; the scale 2^(sc - 128) is then an add to the exponent field of every nonzero value, exact
+// wherever the products stay normal (2 <= sc <= 252: the doubled values' exponents are 127 .. 130). Other scales take
+// the fp32 multiply and keep each value's top half, as widen_mxfp4's values hold them.
+inline __m512i mxfp4_pairs(const uint8_t* q, int sc) {
   alignas(64) static const uint16_t bf16_table[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
                                                       0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
-  const __m512i table = _mm512_load_si512(bf16_table);
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magnitude = _mm512_set1_epi16(0x7FFF);
-  for (int64_t b = 0; b < n / MX_GROUP; ++b) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-    // word 2i: the low nibble of byte i; word 2i + 1: its high nibble ((bytes | bytes << 12) & 0x000F000F)
-    const __m512i codes = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
-    __m512i v = _mm512_permutexvar_epi16(codes, table);
-    const int sc = s[b];
-    if (sc >= 2 && sc <= 252) {
-      const __mmask32 nonzero = _mm512_test_epi16_mask(v, magnitude);
-      v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(static_cast<int16_t>((sc - 128) * 128)));
-    } else {
-      const __m512 f = _mm512_loadu_ps(MX_DOUBLED), scale = _mm512_set1_ps(mx_half_scale(static_cast<uint8_t>(sc)));
-      const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
-      const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(low, f), scale);
-      const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), f), scale);
-      v = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                          _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(~0xFFFF)));
-    }
-    _mm512_storeu_si512(dst + b * 16, v);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  // word 2i: the low nibble of byte i; word 2i + 1: its high nibble ((bytes | bytes << 12) & 0x000F000F)
+  const __m512i codes = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+  const __m512i v = _mm512_permutexvar_epi16(codes, _mm512_load_si512(bf16_table));
+  if (sc >= 2 && sc <= 252) {
+    const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
+    return _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(static_cast<int16_t>((sc - 128) * 128)));
   }
+  const __m512 f = _mm512_loadu_ps(MX_DOUBLED), scale = _mm512_set1_ps(mx_half_scale(static_cast<uint8_t>(sc)));
+  const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), f), scale);
+  const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), f), scale);
+  return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                         _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(~0xFFFF)));
+}
+
+// One packed row of n elements -> n / 2 bf16 pairs
+inline void widen_mxfp4_pairs(const uint8_t* q, const uint8_t* s, int64_t n, uint32_t* dst) {
+  for (int64_t b = 0; b < n / MX_GROUP; ++b) _mm512_storeu_si512(dst + b * 16, mxfp4_pairs(q + b * 16, s[b]));
 }
 
 // out[g * ld + r] = rows[r] . x[g] over np bf16 pairs, for R rows and G vectors, with vdpbf16ps: lane l of each
@@ -171,6 +168,32 @@ inline void dots_pairs(const uint32_t* const* rows, const uint32_t* const* x, in
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi32(m, x[g] + j);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r][g] = _mm512_dpbf16_ps(a[r][g], w[r], v);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) store_sums<R, G>(a, g, out + g * ld);
+}
+
+// dots_pairs over R packed rows of n elements (codes q[r], scales s[r]), each group widened in a register as it is
+// used: the same sums, in the same order, as widening the rows first and calling dots_pairs (for a few vectors,
+// where a widened row would serve one block of them only)
+template <int R, int G>
+inline void dots_mxfp4_pairs(const uint8_t* const* q, const uint8_t* const* s, const uint32_t* const* x, int64_t n,
+                             float* out, int64_t ld) {
+  __m512 a[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) a[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n / MX_GROUP; ++b) {
+    __m512bh w[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) w[r] = (__m512bh)mxfp4_pairs(q[r] + b * 16, s[r][b]);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(x[g] + b * 16);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) a[r][g] = _mm512_dpbf16_ps(a[r][g], w[r], v);
     }

@@ -11,6 +11,7 @@ from k3dist.kernels.backend import select
 from k3dist.kernels.conv import causal_conv_prefill
 from k3dist.kernels.moe import experts_gathered
 from k3dist.kernels.norm import gated_rmsnorm, res_mix, rmsnorm
+from k3dist.model.moe import route
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=f"CPU ops do not build: {cpu_ops.build_error()}")
 
@@ -362,7 +363,17 @@ def test_a_short_piece_after_a_past_attends_as_decode_does(start, T, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
-    "M, N, K", [(1, 300, 1024), (2, 301, 100), (3, 70, 37), (16, 33, 96), (7, 50, 1000), (13, 40, 100), (5, 64, 32)]
+    "M, N, K",
+    [
+        (1, 300, 1024),
+        (2, 301, 100),
+        (3, 70, 37),
+        (16, 33, 96),
+        (7, 50, 1000),
+        (13, 40, 100),
+        (5, 64, 32),
+        (8, 1077, 128),
+    ],
 )
 def test_linear_rows_equal_fp32_sums_rounded_once_and_each_row_alone(M, N, K, dtype):
     """Decode rows' GEMV: what F.linear computes (fp32 sums of the weight's values, one rounding to x's dtype), and a
@@ -430,3 +441,18 @@ def test_the_glu_op_is_the_activation_of_gate_and_up(act, dtype, rows):
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[dtype]
     assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()
     assert torch.equal(cpu_ops.glu(gate_up[-1:], act), got[-1:])
+
+
+@pytest.mark.parametrize("N, E, k", [(1, 64, 16), (8, 64, 16), (300, 64, 8), (3, 256, 8)])
+@pytest.mark.parametrize("renormalize, biased, scale", [(True, False, 1.0), (False, True, 2.5)])
+def test_moe_route_chooses_as_the_torch_router(N, E, k, renormalize, biased, scale):
+    """The router's choice as one op: the same experts, best first (the reference's sorted order), and the same
+    weights to fp32 rounding (its sums run in another order)."""
+    g = torch.Generator().manual_seed(N * E + k)
+    x, gate = torch.randn(N, 128, generator=g), 0.1 * torch.randn(E, 128, generator=g)
+    bias = 0.01 * torch.randn(E, generator=g)
+    want_ids, want = route(x, gate, bias, k, 1, 1, renormalize, scale, biased, sort=True)
+    ids, weights = route(x, gate, bias, k, 1, 1, renormalize, scale, biased, choose=cpu_ops.moe_route)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    assert (weights - want).abs().max().item() <= 1e-6 * scale

@@ -112,6 +112,24 @@ def test_every_tensor_of_the_k3_twin(world):
     x = "model.layers.1.block_sparse_moe.experts."
     assert shapes[x + "w13_packed"] == ((64, 2 * 128 // world, 256), torch.uint8)  # 64 experts, w1 and w3 fused
     assert shapes[x + "w2_scale"] == ((64, 512, 4 // world), torch.uint8)
+    # the projections of one input fused, each rank's rows part after part (model/kda.py, mla.py, latent_moe.py read
+    # them in this order): KDA's q, k, v, f_a, b and full-rank gate; MLA's latent, q-LoRA down and output gate; the
+    # latent MoE's down projection and the shared experts' gate and up
+    P, d, H, r, dr, q, dv = 8 * 128 // world, 128, 8 // world, 512, 64, 384, 8 * 128 // world
+    kda, mla, moe = "model.layers.1.self_attn.", "model.layers.3.self_attn.", "model.layers.1.block_sparse_moe."
+    assert shapes[kda + "in_proj.weight"] == ((3 * P + d + H + P, 1024), torch.bfloat16)
+    assert shapes[mla + "q_kv_a_proj.weight"] == ((r + dr + q + dv, 1024), torch.bfloat16)
+    assert shapes[moe + "in_proj.weight"] == ((512 // world + 2 * 256 // world, 1024), torch.bfloat16)
+    by = ranks[0]
+    rows = [by[kda + n + ".weight"].row for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj")]
+    assert rows == [0, P, 2 * P, 3 * P, 3 * P + d, 3 * P + d + H]
+    rows = [by[mla + n + ".weight"].row for n in ("kv_a_proj_with_mqa", "q_a_proj", "g_proj")]
+    assert rows == [0, r + dr, r + dr + q]
+    rows = [
+        by[moe + n + ".weight"].row
+        for n in ("routed_expert_down_proj", "shared_experts.gate_proj", "shared_experts.up_proj")
+    ]
+    assert rows == [0, 512 // world, 512 // world + 256 // world]
     local = sum(p.local_bytes for r in ranks for p in r.values())
     replicated = sum(p.local_bytes for p in ranks[0].values() if p.axis == REPLICATED)
     full = sum(math.prod(e.shape) * p.dtype.itemsize for e, p in zip(entries, ranks[0].values(), strict=True))
