@@ -149,6 +149,18 @@ inline void tile_rows(const c10::BFloat16* w, int64_t K, const uint32_t* xp, int
   if constexpr (B == 2) _tile_stored(1, sums + k3::TILE_ROWS * M, M * 4);
 }
 
+// sums [rows][M] (a C tile's layout) -> y[m * N + r] for r < rows (a multiple of 16), rounded to bf16: each 16 rows
+// of column m gathered into a vector and rounded as c10::BFloat16 rounds (to nearest, ties to even)
+inline void store_rows(const float* sums, int64_t rows, int64_t M, c10::BFloat16* y, int64_t N) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(M)));
+  for (int64_t r = 0; r < rows; r += k3::TILE_ROWS)
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 v = _mm512_i32gather_ps(column, sums + r * M + m, 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + r), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
 void rows_tiles(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
   const std::vector<uint32_t> xp = x_pairs(x, M, K);
   const int64_t blocks = N / k3::TILE_ROWS;
@@ -162,8 +174,7 @@ void rows_tiles(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y
       const int64_t n = end - b >= 2 ? 2 : 1, r0 = b * k3::TILE_ROWS;
       if (n == 2) tile_rows<2>(w + r0 * K, K, xp.data(), M, sums);
       else tile_rows<1>(w + r0 * K, K, xp.data(), M, sums);
-      for (int64_t r = 0; r < n * k3::TILE_ROWS; ++r)
-        for (int64_t m = 0; m < M; ++m) y[m * N + r0 + r] = c10::BFloat16(sums[r * M + m]);
+      store_rows(sums, n * k3::TILE_ROWS, M, y + r0, N);
       b += n;
     }
     _tile_release();

@@ -342,6 +342,64 @@ float dot(const T* w, const float* x, int64_t n, float* tmp) {  // w . x in fp32
   return s;
 }
 
+constexpr int64_t Q_SEQS = 4;  // sequences whose q_abs share each loaded vector of the key rows (batches of 4 or more)
+
+// out_g[i] = sum over j < dn of q_g[j] w[j][i] for Q_SEQS sequences (q_g: qf + g * dn, fp32; out_g: out + g * out_s)
+// and i < rp, each sum one FMA chain in j's order from 0, as the row-at-a-time loop gives it: V vectors of i by the
+// sequences held in registers
+template <int V>
+inline void q_abs_vectors(const float* w, int64_t rp, int64_t dn, const float* qf, float* out, int64_t out_s, int64_t i) {
+  Vec acc[Q_SEQS][V];
+  for (int g = 0; g < Q_SEQS; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = Vec(0.f);
+  for (int64_t j = 0; j < dn; ++j) {
+    Vec wj[V];
+    for (int v = 0; v < V; ++v) wj[v] = Vec::loadu(w + j * rp + i + v * W);
+    for (int g = 0; g < Q_SEQS; ++g) {
+      const Vec qj(qf[g * dn + j]);
+      for (int v = 0; v < V; ++v) acc[g][v] = at::vec::fmadd(qj, wj[v], acc[g][v]);
+    }
+  }
+  for (int g = 0; g < Q_SEQS; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v].store(out + g * out_s + i + v * W);
+}
+
+// q_abs of Q_SEQS sequences of one head through its widened key rows w [dn][rp] (zeros past r)
+inline void q_abs_block(const float* w, int64_t rp, int64_t dn, const float* qf, float* out, int64_t out_s) {
+  int64_t i = 0;
+  for (; i + 4 * W <= rp; i += 4 * W) q_abs_vectors<4>(w, rp, dn, qf, out, out_s, i);
+  for (; i < rp; i += W) q_abs_vectors<1>(w, rp, dn, qf, out, out_s, i);
+}
+
+constexpr int64_t VALUE_SEQS = 4;  // sequences whose contexts share each widened value row
+
+// y[u] = w . x_u for NB <= VALUE_SEQS vectors x_u (x + u * x_s) of n values, w widened: each sum as dot's (one chain
+// of FMAs over the vectors, hsum, then the tail one by one), the chains interleaved
+template <int NB>
+inline void dots_of(const float* w, const float* x, int64_t x_s, int64_t n, float* y) {
+  Vec acc[NB];
+  for (int u = 0; u < NB; ++u) acc[u] = Vec(0.f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec wj = Vec::loadu(w + j);
+    for (int u = 0; u < NB; ++u) acc[u] = at::vec::fmadd(wj, Vec::loadu(x + u * x_s + j), acc[u]);
+  }
+  for (int u = 0; u < NB; ++u) {
+    y[u] = hsum(acc[u]);
+    for (int64_t i = j; i < n; ++i) y[u] += w[i] * x[u * x_s + i];
+  }
+}
+
+inline void dots_of(const float* w, const float* x, int64_t x_s, int64_t nb, int64_t n, float* y) {
+  static_assert(VALUE_SEQS == 4, "one case per count");
+  switch (nb) {
+    case 4: return dots_of<4>(w, x, x_s, n, y);
+    case 3: return dots_of<3>(w, x, x_s, n, y);
+    case 2: return dots_of<2>(w, x, x_s, n, y);
+    default: return dots_of<1>(w, x, x_s, n, y);
+  }
+}
+
 struct Piece {
   int64_t b, t0, t1;
 };
@@ -415,21 +473,31 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
     T* op = out.data_ptr<T>();
     const int64_t lat_b = latent.stride(0), lat_t = latent.stride(1);
 
-    // q_abs = W_kb^T q_nope (rounded), then q_pe: a row of W_kb at a time, vectorised over r; a task per head, its
-    // rows widened once for every sequence (each sequence's sums run in the same order as alone)
+    // q_abs = W_kb^T q_nope (rounded), then q_pe: a task per head, its rows widened once for every sequence; blocks
+    // of Q_SEQS sequences in registers (q_abs_block), the rest a row of W_kb at a time, vectorised over r (each
+    // sequence's sums run in the same order either way, and as alone)
     at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> w(rp);
+      const int64_t blocked = B / Q_SEQS * Q_SEQS;  // sequences taken Q_SEQS at a time; the rest a row at a time
+      std::vector<float> w((blocked ? dn : 1) * rp, 0.f), qf(Q_SEQS * dn);
       for (int64_t h = begin; h < end; ++h) {
         for (int64_t b = 0; b < B; ++b)
           for (int64_t i = 0; i < Kp; ++i) qc[(b * H + h) * Kp + i] = 0.f;
-        for (int64_t j = 0; j < dn; ++j) {
-          widen<T>(kb + h * w_kb.stride(0) + j * w_kb.stride(1), w.data(), r);
-          for (int64_t b = 0; b < B; ++b) {
+        if (blocked)  // the head's key rows widened once, for every block of sequences
+          for (int64_t j = 0; j < dn; ++j) widen<T>(kb + h * w_kb.stride(0) + j * w_kb.stride(1), w.data() + j * rp, r);
+        for (int64_t b = 0; b < blocked; b += Q_SEQS) {
+          for (int64_t g = 0; g < Q_SEQS; ++g)
+            for (int64_t j = 0; j < dn; ++j) qf[g * dn + j] = static_cast<float>(qp[((b + g) * H + h) * (dn + dr) + j]);
+          q_abs_block(w.data(), rp, dn, qf.data(), qc + (b * H + h) * Kp, H * Kp);
+        }
+        for (int64_t j = 0; j < dn && blocked < B; ++j) {
+          const float* wj = w.data() + (blocked ? j * rp : 0);
+          if (!blocked) widen<T>(kb + h * w_kb.stride(0) + j * w_kb.stride(1), w.data(), r);
+          for (int64_t b = blocked; b < B; ++b) {
             const Vec qj(static_cast<float>(qp[(b * H + h) * (dn + dr) + j]));
             float* out_q = qc + (b * H + h) * Kp;
             for (int64_t i = 0; i < rp; i += W) {
               const int64_t m = std::min<int64_t>(W, r - i);
-              at::vec::fmadd(qj, Vec::loadu(w.data() + i, m), Vec::loadu(out_q + i, m)).store(out_q + i, m);
+              at::vec::fmadd(qj, Vec::loadu(wj + i, m), Vec::loadu(out_q + i, m)).store(out_q + i, m);
             }
           }
         }
@@ -597,26 +665,36 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
 #endif
     });
 
-    // the pieces' contexts summed and rounded, then through kv_b's value rows
-    at::parallel_for(0, B * H, (B * H + 1) / 2, [&](int64_t begin, int64_t end) {  // two halves: kv_b read twice
-      std::vector<float> c(rc), tmp(rc);
+    // the pieces' contexts summed and rounded, then through kv_b's value rows: a task per head and VALUE_SEQS
+    // sequences, each value row widened once for them and dotted with each one's context in a chain of its own (dot's
+    // sums, so a sequence's values do not depend on the sequences beside it)
+    const int64_t chunks = (B + VALUE_SEQS - 1) / VALUE_SEQS;
+    at::parallel_for(0, H * chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> cs(VALUE_SEQS * rc), tmp(rc);
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t h = t / B, b = t % B, task = b * H + h;  // head-major: a head's rows stay in cache
-        for (int64_t i = 0; i < rc; ++i) c[i] = 0.f;
-        for (int64_t pi = first[b]; pi < first[b + 1]; ++pi) {
-          const float* part = ctx + (pi * H + h) * rc;
-          for (int64_t i = 0; i < rc; i += W) (Vec::loadu(c.data() + i) + Vec::loadu(part + i)).store(c.data() + i);
-        }
+        const int64_t h = t / chunks, b0 = t % chunks * VALUE_SEQS, nb = std::min(VALUE_SEQS, B - b0);
+        for (int64_t u = 0; u < nb; ++u) {
+          float* c = cs.data() + u * rc;
+          for (int64_t i = 0; i < rc; ++i) c[i] = 0.f;
+          for (int64_t pi = first[b0 + u]; pi < first[b0 + u + 1]; ++pi) {
+            const float* part = ctx + (pi * H + h) * rc;
+            for (int64_t i = 0; i < rc; i += W) (Vec::loadu(c + i) + Vec::loadu(part + i)).store(c + i);
+          }
 #if defined(__AVX512BF16__)
-        if (dots) {  // the accumulators' lanes back in the values' order
-          for (int64_t i = 0; i < rc; ++i) tmp[natural(i)] = c[i];
-          std::swap(c, tmp);
-        }
+          if (dots) {  // the accumulators' lanes back in the values' order
+            for (int64_t i = 0; i < rc; ++i) tmp[natural(i)] = c[i];
+            std::copy(tmp.begin(), tmp.end(), c);
+          }
 #endif
-        k3::round_to<T>(c.data(), r);
+          k3::round_to<T>(c, r);
+        }
         const T* w = vb + h * w_vb.stride(0);
-        T* o = op + task * dv;
-        for (int64_t v = 0; v < dv; ++v) o[v] = static_cast<T>(dot<T>(w + v * w_vb.stride(1), c.data(), r, tmp.data()));
+        for (int64_t v = 0; v < dv; ++v) {
+          float y[VALUE_SEQS];
+          widen<T>(w + v * w_vb.stride(1), tmp.data(), r);
+          dots_of(tmp.data(), cs.data(), rc, nb, r, y);
+          for (int64_t u = 0; u < nb; ++u) op[((b0 + u) * H + h) * dv + v] = static_cast<T>(y[u]);
+        }
       }
     });
   });
