@@ -123,37 +123,28 @@ inline void store_sums(const __m512 (&a)[R][G], int g, float* out) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // One group of a packed row (16 bytes, scale sc) -> 16 bf16 pairs (element 2i in the low half of word i, as
-// vdpbf16ps takes them), the values widen_mxfp4 gives (every one exact in bf16). The codes index a table of the doubled
-// values' bf16 bits with the scale 2^(sc - 128) already added to the exponent field of every nonzero value, exact
-// wherever the products stay normal (2 <= sc <= 252: the doubled values' exponents are 127 .. 130). Other scales take
-// the fp32 multiply and keep each value's top half, as widen_mxfp4's values hold them.
-// The code table with each normal scale applied: tables[sc][c] = the doubled value of code c times 2^(sc - 128), as
-// bf16 bits (zero for codes 0 and 8), for 2 <= sc <= 252; made once, 16 KiB
+// vdpbf16ps takes them), the values widen_mxfp4 gives (every one exact in bf16, subnormal and infinite products as
+// their top halves): the codes index the group's scale's table of them.
 struct ScaledTables {
   alignas(64) uint16_t t[256][32];
   ScaledTables() {
-    static const uint16_t bf16_table[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
-                                            0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
     for (int sc = 0; sc < 256; ++sc)
       for (int c = 0; c < 32; ++c) {
-        const uint16_t v = bf16_table[c % 16];
-        t[sc][c] = (v & 0x7FFF) && sc >= 2 && sc <= 252 ? static_cast<uint16_t>(v + (sc - 128) * 128) : v;
+        const float v = MX_DOUBLED[c % 16] * mx_half_scale(static_cast<uint8_t>(sc));
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        t[sc][c] = static_cast<uint16_t>(bits >> 16);
       }
   }
 };
 
 inline const ScaledTables SCALED_TABLES;
 
-inline __m512i mxfp4_pairs(const uint8_t* q, int sc) {
+inline __m512i mxfp4_pairs(const uint8_t* q, uint8_t sc) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   // word 2i: the low nibble of byte i; word 2i + 1: its high nibble ((bytes | bytes << 12) & 0x000F000F)
   const __m512i codes = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-  if (sc >= 2 && sc <= 252) return _mm512_permutexvar_epi16(codes, _mm512_load_si512(SCALED_TABLES.t[sc]));
-  const __m512 f = _mm512_loadu_ps(MX_DOUBLED), scale = _mm512_set1_ps(mx_half_scale(static_cast<uint8_t>(sc)));
-  const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), f), scale);
-  const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), f), scale);
-  return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                         _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(~0xFFFF)));
+  return _mm512_permutexvar_epi16(codes, _mm512_load_si512(SCALED_TABLES.t[sc]));
 }
 
 // One packed row of n elements -> n / 2 bf16 pairs

@@ -18,6 +18,7 @@ from k3dist.kernels import cpu_ops
 from k3dist.kernels.activation import SILU, SiTU
 from k3dist.kernels.moe import experts_gathered, experts_loop
 from k3dist.kernels.mxfp4 import PackedExperts
+from k3dist.weights import mxfp4
 from tests.support.moe_cases import case, rank_slice
 from tests.support.tiers import slow_but
 
@@ -146,3 +147,22 @@ def test_packed_experts_refuse_a_split_group():
     """A TP slice that cut an MXFP4 group could not be stacked: the values' widths must be whole groups."""
     with pytest.raises(ValueError, match="scale"):
         PackedExperts(torch.zeros(2, 4, 24, dtype=torch.uint8), torch.zeros(2, 4, 1, dtype=torch.uint8), torch.float32)
+
+
+@pytest.mark.parametrize("low, z_scale", [(0, 1.0), (124, 2.0**-120)], ids=["subnormal-to-normal", "large"])
+def test_every_scale_widens_as_the_dequantized_weight(low, z_scale):
+    """The op's per-scale code tables (mxfp4.h) against weights/mxfp4.py's dequantization, scale by scale: 2^-128
+    (subnormal products) up to 2^124, bit for bit through the op (z scaled so the large ones stay finite; there the
+    down projection keeps its own scales)."""
+    c = case(3, 8, 4, 512, 128, torch.bfloat16, seed=7)
+
+    def spanned(w: PackedExperts) -> PackedExperts:
+        scales = (torch.arange(w.scale.numel()) % 129 + low).to(torch.uint8).view_as(w.scale)
+        return PackedExperts(w.packed, scales, w.dtype)
+
+    w13, w2 = spanned(c.w13), spanned(c.w2) if low == 0 else c.w2
+    z = (c.z.float() * z_scale).to(c.z.dtype)
+    d13, d2 = mxfp4.dequantize(w13.packed, w13.scale, z.dtype), mxfp4.dequantize(w2.packed, w2.scale, z.dtype)
+    got = cpu_ops.moe_experts(z, c.ids, c.weights, w13, w2, act=SILU)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, cpu_ops.moe_experts(z, c.ids, c.weights, d13, d2, act=SILU))
