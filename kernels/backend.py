@@ -2,8 +2,9 @@
 
 The torch references are the oracle; the Triton kernels implement the same signatures for the GPU, and the C++ CPU
 ops (kernels/cpu_ops.py) the KDA core (decode and prefill), MLA's absorbed decode, the decode MoE block, the routed
-experts for any token count (dense or MXFP4-packed weights) and the router's choice before them, a one-row int8 GEMV, decode rows' GEMV, the logits'
-top-k with their log-sum-exp, the RMSNorm, K3's mixing site and the MLPs' gated activation for the CPU.
+experts for any token count (dense or MXFP4-packed weights) and the router's choice before them, a one-row int8
+GEMV, decode rows' GEMV, the logits' top-k with their log-sum-exp, the RMSNorm, K3's mixing site and the MLPs' gated
+activation for the CPU.
 `auto` is Triton on CUDA and the CPU ops on a CPU, each where it builds or imports (Triton: a version the kernels
 ran on, compat.TRITON_MINIMUM), else the references. The model
 receives a `Kernels` the way it receives its `TPComm`, and never asks again.

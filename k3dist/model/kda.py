@@ -6,10 +6,10 @@ update token by token) or else the chunked reference. o_proj is row-parallel: on
 
 Kimi K3's KDA differs in three values, all decided by its config: the forget gate is lower-bounded (`lower` =
 gate_lower_bound * sigmoid(...) instead of -exp(A_log) softplus(...): kernels/kda.py), and the output gate is a
-full-rank `g_proj` [P, D] (the fused projection's last rows) instead of the low-rank g_b(g_a(x)); and its q and k l2 norms take the config's
-rms_norm_eps where Kimi-Linear's take fla's 1e-6, as llama.cpp's port (the reference) does: at 1e-6 the K3 twin's
-logits move up to 4.6e-4 of their largest from llama.cpp's over a 520-token prompt, at rms_norm_eps 3e-5. K3 stores
-A_log padded to 128 entries and replicated; each rank takes its own heads' entries.
+full-rank `g_proj` [P, D] (the fused projection's last rows) instead of the low-rank g_b(g_a(x)); and its q and k l2
+norms take the config's rms_norm_eps where Kimi-Linear's take fla's 1e-6, as llama.cpp's port (the reference) does:
+at 1e-6 the K3 twin's logits move up to 4.6e-4 of their largest from llama.cpp's over a 520-token prompt, at
+rms_norm_eps 3e-5. K3 stores A_log padded to 128 entries and replicated; each rank takes its own heads' entries.
 """
 
 from torch import Tensor
