@@ -7,7 +7,8 @@ to first token at 512 and 2,048 tokens, in interleaved pairs.
 The GGUF is the K3 twin (Kimi-K3-twin-0.4B-config.json, seed 0) converted by llama.cpp's own converter
 (`python benchmarks/k3_convert.py TREE TWIN_DIR --outfile twin-mxfp4.gguf --outtype bf16`): its routed experts
 repacked to ggml's MXFP4, every other weight bf16, as k3dist runs the twin (MXFP4 experts kept packed, bf16, world 1,
-decode.compile=auto). benchmarks/README.md says how to build llama.cpp.
+decode.compile=auto; the decode points again with decode.compile=on, `--compiled`). benchmarks/README.md says how to
+build llama.cpp.
 
 Each repeat runs every point on both sides, k3dist then llama.cpp, so a shared host's drift falls on both alike.
 Figures are medians over the repeats; ratios are medians of the pairs, k3dist over llama.cpp (tok/s over tok/s;
@@ -32,7 +33,7 @@ import llama  # noqa: E402
 CONFIG = common.ROOT / "k3dist" / "configs" / "Kimi-K3-twin-0.4B-config.json"
 
 
-def k3_point(args, twin: Path, batch: int, prompt_len: int, new: int, out: Path) -> dict:
+def k3_point(args, twin: Path, batch: int, prompt_len: int, new: int, out: Path, compiled: bool = False) -> dict:
     overrides = [
         f"model.path={twin}",
         "model.dtype=bfloat16",
@@ -41,9 +42,10 @@ def k3_point(args, twin: Path, batch: int, prompt_len: int, new: int, out: Path)
         f"generate.batch={batch}",
         f"generate.max_new_tokens={new}",
         f"cache.cap={max(prompt_len + new, 4096)}",
+        *(["decode.compile=on"] if compiled else []),
     ]
     return common.k3dist_point(
-        f"batch {batch} prompt {prompt_len}",
+        f"batch {batch} prompt {prompt_len}" + (" (decode.compile=on)" if compiled else ""),
         overrides,
         out,
         args.timeout,
@@ -72,6 +74,13 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens before decode")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--compiled",
+        type=int,
+        nargs="*",
+        default=[1, 8],
+        help="batches also decoded with decode.compile=on (torch.compile's step; its warm-up is not a decode time)",
+    )
     llama.add_args(ap)
     common.add_output_args(ap)
     args = ap.parse_args()
@@ -84,18 +93,20 @@ def main() -> int:
     print(common.header(m), flush=True)
     twin = ensure_twin(CONFIG, 0, "bfloat16", variant="mxfp4")
     tmp = Path(tempfile.mkdtemp(prefix="k3bench-llama-"))
-    points = [("decode", b) for b in args.batches] + [("ttft", n) for n in args.lengths]
+    points = [("decode", b) for b in args.batches] + [("compiled", b) for b in args.compiled]
+    points += [("ttft", n) for n in args.lengths]
     mine: dict[tuple, list] = {p: [] for p in points}
     peer: dict[tuple, list] = {p: [] for p in points}
     for r in range(args.repeats):
         for kind, value in points:
-            if kind == "decode":
-                run = k3_point(args, twin, value, args.prompt_len, args.max_new_tokens, tmp / f"{r}-d{value}.json")
+            if kind in ("decode", "compiled"):
+                out = tmp / f"{r}-{kind}{value}.json"
+                run = k3_point(args, twin, value, args.prompt_len, args.max_new_tokens, out, kind == "compiled")
                 mine[kind, value].append(run.get("decode_tokens_per_second"))
             else:
                 run = k3_point(args, twin, 1, value, 1, tmp / f"{r}-t{value}.json")
                 mine[kind, value].append(run.get("prefill_seconds"))
-            peer[kind, value].append(llama_point(args, kind, value, threads))
+            peer[kind, value].append(llama_point(args, "ttft" if kind == "ttft" else "decode", value, threads))
 
     def cell(values: list, unit: str) -> str:
         got = [v for v in values if v is not None]
@@ -103,15 +114,19 @@ def main() -> int:
 
     rows = []
     for kind, value in points:
-        unit = "tok/s" if kind == "decode" else "s"
+        unit = "s" if kind == "ttft" else "tok/s"
         a, b = mine[kind, value], peer[kind, value]
-        pairs = [(x / y if kind == "decode" else y / x) for x, y in zip(a, b, strict=True) if x and y]
+        pairs = [(y / x if kind == "ttft" else x / y) for x, y in zip(a, b, strict=True) if x and y]
         ratio = f"{statistics.median(pairs):.2f} ({' '.join(f'{p:.2f}' for p in pairs)})" if pairs else "-"
-        label = f"decode b{value}" if kind == "decode" else f"TTFT {value}"
+        label = {"decode": f"decode b{value}", "compiled": f"decode b{value}, decode.compile=on"}.get(kind)
+        label = label or f"TTFT {value}"
         rows.append([label, cell(a, unit), cell(b, unit), ratio])
     notes = [
         "ratio: k3dist over llama.cpp (for TTFT, llama.cpp's seconds over k3dist's), the median of the pairs "
         "(each repeat's in brackets); above 1: k3dist ahead",
+        "decode rows: the eager step (decode.compile=auto on a CPU), and where named the torch.compile'd step a user "
+        "asks for with decode.compile=on (its one-time compile is warm-up, outside the decode time); each k3dist run "
+        "has its own llama.cpp run beside it",
         f"the twin: {CONFIG.name} seed 0, MXFP4 routed experts, bf16 elsewhere; the GGUF: {Path(args.gguf).name}",
         llama.peer_note(args, any(v for vs in peer.values() for v in vs), args.llama_bench, "-t " + str(threads)),
     ]

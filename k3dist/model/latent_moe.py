@@ -74,7 +74,7 @@ class LatentMoE:
         y = self.kernels.rmsnorm(y, self.norm, self.eps).to(self.dtype)
         if self.comm.world > 1:  # `up` reads this rank's latent columns
             y = y[:, self.latent].contiguous()
-        out = self.up(y).float() + self.shared_down(self.kernels.glu(gate_up, self.act)).float()
+        out = self.up(y).float().add_(self.shared_down(self.kernels.glu(gate_up, self.act)))  # (bf16 into fp32)
         return self.comm.all_reduce(out).view(shape)
 
     def decode(self, x: Tensor) -> Tensor:

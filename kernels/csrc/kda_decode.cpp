@@ -219,9 +219,12 @@ at::Tensor kda_run(const at::Tensor& qkv, at::Tensor& conv_state, const at::Tens
   TORCH_CHECK(conv_state.is_contiguous() && state.is_contiguous() && conv_w.is_contiguous(), "kda: layout");
   TORCH_CHECK(g_raw.stride(-1) == 1 && gate.stride(-1) == 1 && beta_raw.stride(-1) == 1, "kda: layout");
   TORCH_CHECK(state.scalar_type() == at::kFloat && A_log.scalar_type() == at::kFloat, "kda: fp32 state");
-  auto dt = dt_bias.contiguous().to(at::kFloat);
+  const auto as_float = [](const at::Tensor& t) {  // (K3 keeps both in fp32: no conversion a call)
+    return t.scalar_type() == at::kFloat ? t.contiguous() : t.contiguous().to(at::kFloat);
+  };
+  auto dt = as_float(dt_bias);
   auto alog = A_log.contiguous();
-  auto onorm = o_norm.contiguous().to(at::kFloat);
+  auto onorm = as_float(o_norm);
   auto out = at::empty({B, T, P}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "kda", [&] {
     using T_ = scalar_t;

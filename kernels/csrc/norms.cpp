@@ -33,34 +33,48 @@ inline float inverse_rms(const float* x, int64_t n, float eps) {
   return 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
 }
 
-// weight * (x * rsqrt(mean(x^2) + eps)), the normalised row rounded to x's dtype first, the product to the result's
+// weight * (x * rsqrt(mean(x^2) + eps)), the normalised row rounded to x's dtype first, the product to the result's;
+// x, weight and the result read and written in their own dtypes (a row widened into a buffer), never converted whole
+template <typename X, typename Wt, typename Out>
+void rmsnorm_rows(const X* x, const Wt* weight, Out* out, int64_t rows, int64_t D, float eps) {
+  std::vector<float> wf(D);
+  k3::to_float<Wt>(weight, wf.data(), D);
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D), o(D);
+    for (int64_t r = begin; r < end; ++r) {
+      k3::to_float<X>(x + r * D, row.data(), D);
+      const float inv = inverse_rms(row.data(), D, eps);
+      int64_t i = 0;
+      for (; i + W <= D; i += W) (Vec::loadu(row.data() + i) * Vec(inv)).store(o.data() + i);
+      for (; i < D; ++i) o[i] = row[i] * inv;
+      k3::round_to<X>(o.data(), D);
+      i = 0;
+      for (; i + W <= D; i += W) (Vec::loadu(o.data() + i) * Vec::loadu(wf.data() + i)).store(o.data() + i);
+      for (; i < D; ++i) o[i] *= wf[i];
+      k3::from_float<Out>(o.data(), out + r * D, D);
+    }
+  });
+}
+
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rmsnorm: x [..., D], weight [D]");
   const auto out_type = c10::promoteTypes(x.scalar_type(), weight.scalar_type());
   const int64_t D = x.size(-1), rows = x.numel() / std::max<int64_t>(D, 1);
-  auto xf = x.contiguous().to(at::kFloat);
-  auto wf = weight.contiguous().to(at::kFloat);
-  auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  const float *xp = xf.data_ptr<float>(), *wp = wf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  const auto in_type = x.scalar_type();
-  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * D;
-      float* o = op + r * D;
-      const float inv = inverse_rms(row, D, e);
-      int64_t i = 0;
-      for (; i + W <= D; i += W) (Vec::loadu(row + i) * Vec(inv)).store(o + i);
-      for (; i < D; ++i) o[i] = row[i] * inv;
-      if (in_type == at::kBFloat16) k3::round_to<c10::BFloat16>(o, D);
-      else if (in_type == at::kHalf) k3::round_to<c10::Half>(o, D);
-      i = 0;
-      for (; i + W <= D; i += W) (Vec::loadu(o + i) * Vec::loadu(wp + i)).store(o + i);
-      for (; i < D; ++i) o[i] *= wp[i];
-    }
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(out_type));
+  k3::by_compute_dtype(x.scalar_type(), "rmsnorm: x", [&](auto xt) {
+    k3::by_compute_dtype(weight.scalar_type(), "rmsnorm: weight", [&](auto wt) {
+      k3::by_compute_dtype(out_type, "rmsnorm: result", [&](auto ot) {
+        using X = decltype(xt);
+        using Wt = decltype(wt);
+        using Out = decltype(ot);
+        rmsnorm_rows<X, Wt, Out>(xc.data_ptr<X>(), wc.data_ptr<Wt>(), out.data_ptr<Out>(), rows, D,
+                                 static_cast<float>(eps));
+      });
+    });
   });
-  return out_type == at::kFloat ? out : out.to(out_type);
+  return out;
 }
 
 // K3's mixing site over the candidates (the bank's snapshots, then the stream; each [..., D] fp32): per row, each
