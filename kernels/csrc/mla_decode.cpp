@@ -331,17 +331,6 @@ void widen_rows(const T* src, int64_t src_s, int64_t m, int64_t n, float* dst, i
   }
 }
 
-template <typename T>
-float dot(const T* w, const float* x, int64_t n, float* tmp) {  // w . x in fp32, the weight widened a vector at a time
-  widen<T>(w, tmp, n);
-  Vec acc(0.f);
-  int64_t j = 0;
-  for (; j + W <= n; j += W) acc = at::vec::fmadd(Vec::loadu(tmp + j), Vec::loadu(x + j), acc);
-  float s = hsum(acc);
-  for (; j < n; ++j) s += tmp[j] * x[j];
-  return s;
-}
-
 constexpr int64_t Q_SEQS = 4;  // sequences whose q_abs share each loaded vector of the key rows (batches of 4 or more)
 
 // out_g[i] = sum over j < dn of q_g[j] w[j][i] for Q_SEQS sequences (q_g: qf + g * dn, fp32; out_g: out + g * out_s)
@@ -373,8 +362,9 @@ inline void q_abs_block(const float* w, int64_t rp, int64_t dn, const float* qf,
 
 constexpr int64_t VALUE_SEQS = 4;  // sequences whose contexts share each widened value row
 
-// y[u] = w . x_u for NB <= VALUE_SEQS vectors x_u (x + u * x_s) of n values, w widened: each sum as dot's (one chain
-// of FMAs over the vectors, hsum, then the tail one by one), the chains interleaved
+// y[u] = w . x_u for NB <= VALUE_SEQS vectors x_u (x + u * x_s) of n values, w widened: each sum one chain of FMAs
+// over the vectors, then hsum, then the tail one by one (a sequence's sums do not depend on its neighbours), the
+// chains interleaved
 template <int NB>
 inline void dots_of(const float* w, const float* x, int64_t x_s, int64_t n, float* y) {
   Vec acc[NB];
@@ -666,8 +656,8 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
     });
 
     // the pieces' contexts summed and rounded, then through kv_b's value rows: a task per head and VALUE_SEQS
-    // sequences, each value row widened once for them and dotted with each one's context in a chain of its own (dot's
-    // sums, so a sequence's values do not depend on the sequences beside it)
+    // sequences, each value row widened once for them and dotted with each one's context in a chain of its own
+    // (dots_of), so a sequence's values do not depend on the sequences beside it
     const int64_t chunks = (B + VALUE_SEQS - 1) / VALUE_SEQS;
     at::parallel_for(0, H * chunks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> cs(VALUE_SEQS * rc), tmp(rc);

@@ -8,7 +8,8 @@
 // however many tokens chose it. Phase 1 runs a task per (expert, HALF gate rows and the HALF matching up rows): each
 // row is widened whole into a small buffer (mxfp4.h: bf16 pairs or fp32; a dense row in the dot's form is read in
 // place), then multiplied with every pair's z, a block of rows by a group of tokens at a time (each loaded line of a
-// row serves the group); the activation (a value: SiLU or SiTU, chosen once per call) is written per pair. Phase 2
+// row serves the group); where an expert has at most one group of tokens, packed rows go into the dots as they are,
+// widened a group of 32 at a time in registers (the same sums in the same order); the activation (a value: SiLU or SiTU, chosen once per call) is written per pair. Phase 2
 // runs a task per block of ROWS2 output rows: each chosen expert's w2 rows are widened the same way and multiplied
 // with its pairs' activations, then every token's outputs are combined in its top-k order.
 //
@@ -41,7 +42,7 @@ using k3::Vec;
 // Geometry: phase 1 widens HALF gate rows and the HALF matching up rows per task, phase 2 ROWS2 output rows per
 // expert; the dots run RB rows by up to GB tokens (the accumulators fill the registers). cpu_ops.moe_experts_scratch_
 // bytes mirrors these sizes.
-constexpr int64_t HALF = 16, ROWS1 = 2 * HALF, ROWS2 = 32;
+constexpr int64_t HALF = 16, ROWS1 = 2 * HALF, ROWS2 = 32, MOST_ROWS = std::max(ROWS1, ROWS2);
 #if K3_LANES == 16
 constexpr int RB = 4, GB = 6;  // 24 accumulators of AVX-512's 32 registers
 #elif defined(K3_LANES)
@@ -68,7 +69,7 @@ struct Packed {  // MXFP4 rows of n elements: n / 2 bytes and n / 32 scales each
   const uint8_t* scales(int64_t r) const { return s + r * (n / k3::MX_GROUP); }
   template <bool PAIRS>
   const typename Dots<PAIRS>::Line* row(int64_t r, typename Dots<PAIRS>::Line* buf) const {
-    const uint8_t *qr = q + r * (n / 2), *sr = s + r * (n / k3::MX_GROUP);
+    const uint8_t *qr = codes(r), *sr = scales(r);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (PAIRS) {
       k3::widen_mxfp4_pairs(qr, sr, n, buf);
@@ -165,14 +166,13 @@ void dots_of_rows(const Rows& w, const int64_t* ids, int64_t nr, const X* const*
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<Rows, Packed> && PAIRS) {
     if (c <= GB) {
-      const uint8_t* q[ROWS2 > ROWS1 ? ROWS2 : ROWS1];
-      const uint8_t* s[ROWS2 > ROWS1 ? ROWS2 : ROWS1];
+      const uint8_t *q[MOST_ROWS], *s[MOST_ROWS];
       for (int64_t r = 0; r < nr; ++r) q[r] = w.codes(ids[r]), s[r] = w.scales(ids[r]);
       return PackedDots{{}, q, s, x, n, out, ld}(nr, c);
     }
   }
 #endif
-  const Line* rows[ROWS2 > ROWS1 ? ROWS2 : ROWS1];
+  const Line* rows[MOST_ROWS];
   for (int64_t r = 0; r < nr; ++r) rows[r] = w.template row<PAIRS>(ids[r], buf + r * (n / Dots<PAIRS>::per));
   RowDots<PAIRS>{{}, rows, x, n, out, ld}(nr, c);
 }
