@@ -1,6 +1,6 @@
-// AMX tiles for the CPU ops that use them (linear_rows, mla_decode): whether this process may, and the tile
-// configuration. Tiles multiply 16 rows of bf16 values by pairs of bf16 (exact products, fp32 sums): the same dot
-// products as vdpbf16ps, 16 rows x up to 16 columns x 32 values an instruction.
+// AMX tiles for the CPU kernels: whether this process may use them, and the tile configuration ldtilecfg reads.
+// A kernel uses tiles only where the CPU has them (compiled with -march=native on an AMX CPU) and Linux grants the
+// process their state (ARCH_REQ_XCOMP_PERM for XTILEDATA); a VM that hides them gets the kernels' vector paths.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -17,7 +17,7 @@ namespace k3 {
 
 constexpr int TILE_ROWS = 16;  // rows of a tile; a row holds at most 64 bytes
 
-inline bool amx_permitted() {  // asked of the kernel once a process (ARCH_REQ_XCOMP_PERM for XTILEDATA)
+inline bool amx_permitted() {  // asked of the kernel once a process
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
 }
@@ -28,8 +28,8 @@ struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes: palette 1, then each t
   uint8_t rows[16];
 };
 
-// This thread's tiles 0 .. n-1 as (bytes a row, rows); the rest unused
-inline void configure_tiles(const uint16_t* colsb, const uint8_t* rows, int n) {
+// palette 1 with tiles 0 .. n - 1 of rows[t] rows and colsb[t] bytes a row (this thread's state)
+inline void configure_tiles(int n, const uint8_t* rows, const uint16_t* colsb) {
   TileConfig c;
   std::memset(&c, 0, sizeof c);
   c.palette = 1;

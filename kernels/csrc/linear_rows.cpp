@@ -168,7 +168,7 @@ void rows_tiles(const c10::BFloat16* w, const c10::BFloat16* x, c10::BFloat16* y
     const uint16_t colsb[5] = {static_cast<uint16_t>(M * 4), static_cast<uint16_t>(M * 4), 64, 64,
                                static_cast<uint16_t>(M * 4)};
     const uint8_t rows[5] = {16, 16, 16, 16, 16};
-    k3::configure_tiles(colsb, rows, 5);
+    k3::configure_tiles(5, rows, colsb);
     float sums[2 * k3::TILE_ROWS * MAX_ROWS];
     for (int64_t b = begin; b < end;) {
       const int64_t n = end - b >= 2 ? 2 : 1, r0 = b * k3::TILE_ROWS;

@@ -17,7 +17,7 @@
 // BF16 dot products (32 values an instruction, rows never widened), or the widened fp32 kernels (any dtype). All
 // three sum exact products of the same rounded values in fp32, in different orders (the tests bound the difference
 // as for the torch path); which one runs depends only on the CPU and the shapes, never on the batch or the threads.
-#include "vec.h"
+#include "vec.h"  // first: it names the CPU capability ATen's vector functions compile for
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -258,7 +258,7 @@ using k3::TILE_ROWS;
 inline void configure_tiles(int64_t H) {
   const uint16_t colsb[6] = {static_cast<uint16_t>(H * 4), 64, static_cast<uint16_t>(H * 4), 64, 64, 64};
   const uint8_t rows[6] = {16, 16, 16, static_cast<uint8_t>(H), 16, static_cast<uint8_t>(H)};
-  k3::configure_tiles(colsb, rows, 6);
+  k3::configure_tiles(6, rows, colsb);
 }
 
 // q [H][Kq] (bf16, zero past K) as K / 32 B tiles: tile k, row j, head h holds q_h[32 k + 2 j], q_h[32 k + 2 j + 1]
@@ -332,33 +332,6 @@ void widen_rows(const T* src, int64_t src_s, int64_t m, int64_t n, float* dst, i
 }
 
 constexpr int64_t Q_SEQS = 4;  // sequences whose q_abs share each loaded vector of the key rows (batches of 4 or more)
-
-// out_g[i] = sum over j < dn of q_g[j] w[j][i] for Q_SEQS sequences (q_g: qf + g * dn, fp32; out_g: out + g * out_s)
-// and i < rp, each sum one FMA chain in j's order from 0, as the row-at-a-time loop gives it: V vectors of i by the
-// sequences held in registers
-template <int V>
-inline void q_abs_vectors(const float* w, int64_t rp, int64_t dn, const float* qf, float* out, int64_t out_s, int64_t i) {
-  Vec acc[Q_SEQS][V];
-  for (int g = 0; g < Q_SEQS; ++g)
-    for (int v = 0; v < V; ++v) acc[g][v] = Vec(0.f);
-  for (int64_t j = 0; j < dn; ++j) {
-    Vec wj[V];
-    for (int v = 0; v < V; ++v) wj[v] = Vec::loadu(w + j * rp + i + v * W);
-    for (int g = 0; g < Q_SEQS; ++g) {
-      const Vec qj(qf[g * dn + j]);
-      for (int v = 0; v < V; ++v) acc[g][v] = at::vec::fmadd(qj, wj[v], acc[g][v]);
-    }
-  }
-  for (int g = 0; g < Q_SEQS; ++g)
-    for (int v = 0; v < V; ++v) acc[g][v].store(out + g * out_s + i + v * W);
-}
-
-// q_abs of Q_SEQS sequences of one head through its widened key rows w [dn][rp] (zeros past r)
-inline void q_abs_block(const float* w, int64_t rp, int64_t dn, const float* qf, float* out, int64_t out_s) {
-  int64_t i = 0;
-  for (; i + 4 * W <= rp; i += 4 * W) q_abs_vectors<4>(w, rp, dn, qf, out, out_s, i);
-  for (; i < rp; i += W) q_abs_vectors<1>(w, rp, dn, qf, out, out_s, i);
-}
 
 constexpr int64_t VALUE_SEQS = 4;  // sequences whose contexts share each widened value row
 
@@ -464,7 +437,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
     const int64_t lat_b = latent.stride(0), lat_t = latent.stride(1);
 
     // q_abs = W_kb^T q_nope (rounded), then q_pe: a task per head, its rows widened once for every sequence; blocks
-    // of Q_SEQS sequences in registers (q_abs_block), the rest a row of W_kb at a time, vectorised over r (each
+    // of Q_SEQS sequences in registers (context_heads), the rest a row of W_kb at a time, vectorised over r (each
     // sequence's sums run in the same order either way, and as alone)
     at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
       const int64_t blocked = B / Q_SEQS * Q_SEQS;  // sequences taken Q_SEQS at a time; the rest a row at a time
@@ -477,7 +450,8 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& latent, const at::T
         for (int64_t b = 0; b < blocked; b += Q_SEQS) {
           for (int64_t g = 0; g < Q_SEQS; ++g)
             for (int64_t j = 0; j < dn; ++j) qf[g * dn + j] = static_cast<float>(qp[((b + g) * H + h) * (dn + dr) + j]);
-          q_abs_block(w.data(), rp, dn, qf.data(), qc + (b * H + h) * Kp, H * Kp);
+          // q_abs_g[i] = sum over j of q_g[j] w[j][i]: context_heads' FMA chains, in j's order from the zeroed qc
+          context_heads<Q_SEQS>(w.data(), rp, dn, qf.data(), dn, qc + (b * H + h) * Kp, H * Kp, rp);
         }
         for (int64_t j = 0; j < dn && blocked < B; ++j) {
           const float* wj = w.data() + (blocked ? j * rp : 0);

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,21 +36,30 @@ inline float inverse_rms(const float* x, int64_t n, float eps) {
 
 // weight * (x * rsqrt(mean(x^2) + eps)), the normalised row rounded to x's dtype first, the product to the result's;
 // x, weight and the result read and written in their own dtypes (a row widened into a buffer), never converted whole
+// (fp32 values are read in place; others widened into `buf`)
+template <typename T>
+const float* as_floats(const T* src, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) return src;
+  buf.resize(n);
+  k3::to_float<T>(src, buf.data(), n);
+  return buf.data();
+}
+
 template <typename X, typename Wt, typename Out>
 void rmsnorm_rows(const X* x, const Wt* weight, Out* out, int64_t rows, int64_t D, float eps) {
-  std::vector<float> wf(D);
-  k3::to_float<Wt>(weight, wf.data(), D);
+  std::vector<float> wbuf;
+  const float* wf = as_floats(weight, D, wbuf);
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(D), o(D);
+    std::vector<float> xbuf, o(D);
     for (int64_t r = begin; r < end; ++r) {
-      k3::to_float<X>(x + r * D, row.data(), D);
-      const float inv = inverse_rms(row.data(), D, eps);
+      const float* row = as_floats(x + r * D, D, xbuf);
+      const float inv = inverse_rms(row, D, eps);
       int64_t i = 0;
-      for (; i + W <= D; i += W) (Vec::loadu(row.data() + i) * Vec(inv)).store(o.data() + i);
+      for (; i + W <= D; i += W) (Vec::loadu(row + i) * Vec(inv)).store(o.data() + i);
       for (; i < D; ++i) o[i] = row[i] * inv;
       k3::round_to<X>(o.data(), D);
       i = 0;
-      for (; i + W <= D; i += W) (Vec::loadu(o.data() + i) * Vec::loadu(wf.data() + i)).store(o.data() + i);
+      for (; i + W <= D; i += W) (Vec::loadu(o.data() + i) * Vec::loadu(wf + i)).store(o.data() + i);
       for (; i < D; ++i) o[i] *= wf[i];
       k3::from_float<Out>(o.data(), out + r * D, D);
     }
